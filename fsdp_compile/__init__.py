@@ -1,0 +1,12 @@
+"""fsdp_compile: Fully Sharded Data Parallel as a torch.compile backend.
+
+    fsdp_compile.shard(model, units=[Block], mp=fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16))
+    model = torch.compile(model, backend="fsdp_compile")
+"""
+
+from fsdp_compile._backend import backend
+from fsdp_compile._shard import shard, sharded_units
+from fsdp_compile._state_dict import full_state_dict
+from fsdp_compile.config import BackendConfig, MixedPrecision
+
+__all__ = ["BackendConfig", "MixedPrecision", "backend", "full_state_dict", "shard", "sharded_units"]

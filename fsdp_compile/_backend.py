@@ -1,0 +1,91 @@
+"""The ``fsdp_compile`` torch.compile backend: the pass pipeline, then AOTAutograd and Inductor.
+
+Pipeline (see DESIGN.md): ``map_units`` -> ``insert_collectives`` on the Dynamo graph; AOTAutograd with
+``reshard_after_forward`` on the joint graph before partitioning; Inductor (or ``aot_eager``) compiles the
+forward and backward graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+from torch._functorch.aot_autograd import make_boxed_func
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+from torch._inductor import config as inductor_config
+from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch._logging import trace_structured
+
+from fsdp_compile import debug
+from fsdp_compile.config import BackendConfig
+from fsdp_compile.passes.insert_collectives import apply_collectives, plan_collectives
+from fsdp_compile.passes.map_units import plan_unit_inputs
+from fsdp_compile.passes.reshard_after_forward import ReshardAfterForward
+
+__all__ = ["backend", "fsdp_compile_backend"]
+
+log = logging.getLogger(__name__)
+
+
+def _artifact(name: str, payload: str) -> None:
+    trace_structured(
+        "artifact", metadata_fn=lambda: {"name": f"fsdp_compile_{name}", "encoding": "json"}, payload_fn=lambda: payload
+    )
+
+
+def _recording_inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    debug.record("backward" if kwargs.get("is_backward") else "forward", gm)
+    return compile_fx_inner(gm, example_inputs, **kwargs)
+
+
+def _recording_eager(stage: debug.Stage) -> Callable[..., Any]:
+    def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        debug.record(stage, gm)
+        return make_boxed_func(gm.forward)
+
+    return compiler
+
+
+def _partition_resharded(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
+    ReshardAfterForward()(joint.graph)
+    joint.recompile()
+    return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+
+def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *, config: BackendConfig) -> Callable[..., Any]:
+    unit_inputs = plan_unit_inputs(gm, example_inputs)
+    plan = plan_collectives(gm, unit_inputs)
+    _artifact("collectives_plan", plan.to_json())
+    apply_collectives(gm, plan)
+    counters["fsdp_compile"]["all_gathers"] += len(plan.gathers)
+    log.info("fsdp_compile: %d units gathered in a graph of %d nodes", len(plan.gathers), len(gm.graph.nodes))
+    debug.record("dynamo", gm)
+    if config.compiler == "aot_eager":
+        return aot_autograd(
+            fw_compiler=_recording_eager("forward"),
+            bw_compiler=_recording_eager("backward"),
+            partition_fn=_partition_resharded,
+            keep_inference_input_mutations=True,
+        )(gm, example_inputs)
+    with inductor_config.patch(joint_custom_pre_pass=ReshardAfterForward()):
+        return compile_fx(gm, example_inputs, inner_compile=_recording_inner_compile)
+
+
+def backend(**options: Any) -> Callable[..., Any]:
+    """A configured backend: ``torch.compile(model, backend=fsdp_compile.backend(**options))``.
+
+    ``options`` are the fields of :class:`fsdp_compile.BackendConfig`.
+    """
+    config = BackendConfig(**options)
+    return functools.partial(_compile, config=config)
+
+
+def fsdp_compile_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+    """The backend registered as ``"fsdp_compile"`` (default options)."""
+    return _compile(gm, example_inputs, config=BackendConfig())

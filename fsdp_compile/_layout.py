@@ -1,0 +1,67 @@
+"""Where each parameter of a unit lives in the unit's flat buffer, and which part of it a rank holds.
+
+Pure planning: no tensors are touched here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["ParamSlot", "UnitLayout", "plan_layout"]
+
+ALIGN_ELEMENTS = 16
+"""Each parameter starts at a multiple of this many elements of the flat buffer (32 bytes in bf16), so
+the views the all-gather hands to compute kernels stay aligned for vectorised loads."""
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One parameter of a unit: its names (several for a tied weight) and its place in the flat buffer."""
+
+    names: tuple[str, ...]
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UnitLayout:
+    """The flat buffer of one unit: ``padded_numel`` elements, split evenly over ``world_size`` ranks."""
+
+    fqn: str
+    slots: tuple[ParamSlot, ...]
+    padded_numel: int
+    world_size: int
+
+    @property
+    def shard_numel(self) -> int:
+        return self.padded_numel // self.world_size
+
+    def local_range(self, slot: ParamSlot, rank: int) -> tuple[int, int]:
+        """The part of ``slot`` that ``rank`` holds, as ``[lo, hi)`` offsets into its shard (may be empty)."""
+        start = rank * self.shard_numel
+        lo = min(max(slot.offset - start, 0), self.shard_numel)
+        hi = min(max(slot.offset + slot.numel - start, 0), self.shard_numel)
+        return lo, max(lo, hi)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def plan_layout(
+    fqn: str, params: list[tuple[tuple[str, ...], tuple[int, ...]]], world_size: int
+) -> UnitLayout:
+    """Lay out ``params`` (names, shape), in the order given, in one buffer padded to a multiple of
+    ``world_size``."""
+    slots = []
+    offset = 0
+    for names, shape in params:
+        numel = 1
+        for size in shape:
+            numel *= size
+        offset = _round_up(offset, ALIGN_ELEMENTS)
+        slots.append(ParamSlot(names=names, offset=offset, numel=numel, shape=shape))
+        offset += numel
+    padded = _round_up(max(offset, 1), world_size)
+    return UnitLayout(fqn=fqn, slots=tuple(slots), padded_numel=padded, world_size=world_size)

@@ -1,0 +1,283 @@
+"""``shard()``: turn a module's parameters into one flat shard per FSDP unit, keeping names and ties.
+
+After ``shard(model, units=...)``:
+
+* every unit (each matching submodule, plus the root for the parameters left over) owns ONE flat buffer,
+  padded to a multiple of the world size; this rank keeps its chunk as a plain leaf tensor
+  (``UnitState.flat``, ``requires_grad=True``), neither parameter nor buffer;
+* each original parameter is replaced, under its own name in ``module._parameters``, by a 1-D
+  ``nn.Parameter`` *piece*: a view of the part of the flat shard that holds it on this rank (possibly
+  empty). ``parameters()`` therefore yields only sharded storage, and optimizers keep sharded state;
+* each module class is swapped for a cached subclass whose class-level property per parameter name
+  returns the full parameter: under ``torch.compile`` a marker op (``fsdp_compile::unshard``) that the
+  backend's passes turn into one all-gather per unit; in eager, a view of the unit's gathered buffer,
+  filled by forward pre-hooks on the unit (or gathered on demand);
+* gradients reach ``flat.grad`` (averaged over ranks); a post-accumulate-grad hook hands each piece its
+  part and clears ``flat.grad``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_compile._layout import ParamSlot, UnitLayout, plan_layout
+from fsdp_compile._ops import gather_unit, unshard
+from fsdp_compile.config import MixedPrecision
+
+__all__ = ["UnitState", "shard", "sharded_units", "unit_of_shard"]
+
+log = logging.getLogger(__name__)
+
+UnitSpec = Union[Iterable[type[nn.Module]], Callable[[str, nn.Module], bool]]
+
+_STATE_ATTR = "_fsdp_compile_units"
+_SLOTS_ATTR = "_fsdp_compile_slots"
+_UNIT_ATTR = "_fsdp_compile_unit"
+
+
+class UnitState:
+    """One FSDP unit on this rank: its layout, flat shard, parameter pieces and collective settings."""
+
+    def __init__(
+        self,
+        *,
+        layout: UnitLayout,
+        flat: torch.Tensor,
+        pieces: list[tuple[nn.Parameter, ParamSlot, int, int]],
+        group: dist.ProcessGroup,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+    ) -> None:
+        self.layout = layout
+        self.flat = flat
+        self.pieces = pieces
+        self.group = group
+        self.group_name: str = group.group_name
+        self.world_size = dist.get_world_size(group)
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.gathered: torch.Tensor | None = None
+
+    def __repr__(self) -> str:
+        return f"UnitState({self.layout.fqn or '<root>'!r}, params={len(self.layout.slots)}, shard={self.layout.shard_numel})"
+
+    def gather(self) -> torch.Tensor:
+        """All-gather the whole unit in eager mode (differentiable, like the compiled graphs)."""
+        return gather_unit(self.flat, self.param_dtype, self.reduce_dtype, self.world_size, self.group_name)
+
+    def unshard_param(self, slot: ParamSlot) -> torch.Tensor:
+        """The full parameter ``slot``: a marker op under compile, a view of the gathered unit in eager."""
+        if torch.compiler.is_compiling():
+            return unshard(self.flat, slot.offset, slot.numel, list(slot.shape), self.param_dtype)
+        gathered = self.gathered if self.gathered is not None else self.gather()
+        return gathered[slot.offset : slot.offset + slot.numel].view(slot.shape)
+
+    def gather_full(self) -> torch.Tensor:
+        """The unpadded-layout full flat buffer in the shard's dtype, without autograd (for state dicts)."""
+        out = self.flat.new_empty(self.layout.padded_numel)
+        dist.all_gather_into_tensor(out, self.flat.detach(), group=self.group)
+        return out
+
+    def _distribute_grad(self, flat: torch.Tensor) -> None:
+        grad = flat.grad
+        flat.grad = None
+        if grad is None:
+            return
+        for piece, _, lo, hi in self.pieces:
+            if not piece.requires_grad:
+                continue
+            if piece.grad is None:
+                piece.grad = grad[lo:hi]
+            else:
+                piece.grad.add_(grad[lo:hi])
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.gathered = self.gather()
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self.gathered = None
+
+
+def _param_property(name: str) -> property:
+    def fget(module: nn.Module) -> torch.Tensor:
+        state, slot = getattr(module, _SLOTS_ATTR)[name]
+        return state.unshard_param(slot)
+
+    return property(fget, doc=f"The full parameter {name!r}, gathered from its FSDP unit.")
+
+
+_SHARDED_CLASSES: dict[tuple[type[nn.Module], tuple[str, ...]], type[nn.Module]] = {}
+
+
+def _sharded_class(cls: type[nn.Module], names: tuple[str, ...]) -> type[nn.Module]:
+    key = (cls, names)
+    if key not in _SHARDED_CLASSES:
+        props: dict[str, Any] = {name: _param_property(name) for name in names}
+        props["__module__"] = cls.__module__
+        _SHARDED_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), props)
+    return _SHARDED_CLASSES[key]
+
+
+def _unit_predicate(units: UnitSpec) -> Callable[[str, nn.Module], bool]:
+    if callable(units) and not isinstance(units, type):
+        return units  # type: ignore[return-value]
+    classes = tuple(units)  # type: ignore[arg-type]
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(
+            "units must be an iterable of nn.Module subclasses (e.g. units=[TransformerBlock]) or a "
+            f"predicate (fqn, module) -> bool, got {units!r}"
+        )
+    return lambda fqn, module: isinstance(module, classes)
+
+
+def _common_prefix(fqns: list[str]) -> str:
+    parts = [f.split(".") if f else [] for f in fqns]
+    common: list[str] = []
+    for level in zip(*parts):
+        if any(p != level[0] for p in level):
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def shard(
+    module: nn.Module,
+    *,
+    units: UnitSpec,
+    group: dist.ProcessGroup | None = None,
+    mp: MixedPrecision | None = None,
+) -> nn.Module:
+    """Shard ``module`` in place into FSDP units and return it.
+
+    ``units``: module classes, or a predicate ``(fqn, submodule) -> bool``; every matching submodule is a
+    unit, the parameters left over form the root unit. A weight tied across units lives in their lowest
+    common unit. ``group``: the process group to shard over (default: the default group). ``mp``: the
+    all-gather and reduce-scatter dtypes; the shards keep the model's dtype.
+    """
+    if getattr(module, _STATE_ATTR, None) is not None:
+        raise ValueError(f"{type(module).__name__} is already sharded by fsdp_compile.shard(); shard it once")
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "fsdp_compile.shard() needs a process group: call torch.distributed.init_process_group() "
+                "first or pass group=..."
+            )
+        group = dist.group.WORLD
+    assert group is not None
+    mp = mp or MixedPrecision()
+    is_unit = _unit_predicate(units)
+    world_size, rank = dist.get_world_size(group), dist.get_rank(group)
+
+    # Unit of every module: the nearest enclosing unit root ("" = the root unit).
+    unit_of: dict[str, str] = {}
+    for fqn, sub in module.named_modules(remove_duplicate=False):
+        parent = fqn.rpartition(".")[0] if fqn else None
+        unit_of[fqn] = fqn if (fqn == "" or is_unit(fqn, sub)) else unit_of[parent]  # type: ignore[index]
+
+    # Owners of every parameter (a tied weight has several), in named_parameters order.
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
+    for fqn, sub in module.named_modules(remove_duplicate=False):
+        for name, param in sub._parameters.items():
+            if param is None:
+                continue
+            entry = (sub, name, f"{fqn}.{name}" if fqn else name)
+            if all(o[0] is not sub or o[1] != name for o in owners.get(param, [])):
+                owners.setdefault(param, []).append(entry)
+
+    by_unit: dict[str, list[nn.Parameter]] = {}
+    for param, owned in owners.items():
+        owner_modules = [fqn.rpartition(".")[0] for _, _, fqn in owned]
+        by_unit.setdefault(unit_of[_common_prefix(owner_modules)], []).append(param)
+
+    unit_order = list(dict.fromkeys(unit_of.values()))
+    built = [
+        _build_unit(unit_fqn, by_unit[unit_fqn], owners, group, world_size, rank, mp)
+        for unit_fqn in unit_order
+        if unit_fqn in by_unit
+    ]
+
+    # Mutate the module only once every unit is built.
+    sharded_modules: dict[int, nn.Module] = {}
+    for state, originals in built:
+        for (piece, slot, _, _), original in zip(state.pieces, originals):
+            for sub, name, _ in owners[original]:
+                sub._parameters[name] = piece
+                sub.__dict__.setdefault(_SLOTS_ATTR, {})[name] = (state, slot)
+                sharded_modules[id(sub)] = sub
+        unit_module = module.get_submodule(state.layout.fqn)
+        unit_module.register_forward_pre_hook(state._pre_forward)
+        unit_module.register_forward_hook(state._post_forward)
+        state.flat.register_post_accumulate_grad_hook(state._distribute_grad)
+    for sub in sharded_modules.values():
+        sub.__class__ = _sharded_class(type(sub), tuple(sorted(getattr(sub, _SLOTS_ATTR))))
+    states = [state for state, _ in built]
+    object.__setattr__(module, _STATE_ATTR, states)
+    log.info("fsdp_compile.shard: %d units over %d ranks: %s", len(states), world_size, states)
+    return module
+
+
+def _build_unit(
+    unit_fqn: str,
+    params: list[nn.Parameter],
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]],
+    group: dist.ProcessGroup,
+    world_size: int,
+    rank: int,
+    mp: MixedPrecision,
+) -> tuple[UnitState, list[nn.Parameter]]:
+    """Copy this rank's chunk of the unit into a new flat shard and cut one piece per parameter."""
+    dtypes = {p.dtype for p in params}
+    devices = {p.device for p in params}
+    if len(dtypes) > 1 or len(devices) > 1:
+        names = {str(p.dtype) + "@" + str(p.device): owners[p][0][2] for p in params}
+        raise ValueError(
+            f"unit {unit_fqn or '<root>'!r} mixes parameter dtypes/devices {names}; one unit must hold one "
+            "dtype on one device: convert the model (model.to(dtype, device)) before shard()"
+        )
+    layout = plan_layout(
+        unit_fqn, [(tuple(fqn for _, _, fqn in owners[p]), tuple(p.shape)) for p in params], world_size
+    )
+    (dtype,) = dtypes
+    (device,) = devices
+    full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
+    for slot, param in zip(layout.slots, params):
+        full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+    start = rank * layout.shard_numel
+    flat = full[start : start + layout.shard_numel].clone().requires_grad_(any(p.requires_grad for p in params))
+    pieces = []
+    for slot, param in zip(layout.slots, params):
+        lo, hi = layout.local_range(slot, rank)
+        piece = nn.Parameter(flat.detach()[lo:hi], requires_grad=param.requires_grad)
+        pieces.append((piece, slot, lo, hi))
+    param_dtype = mp.param_dtype or dtype
+    state = UnitState(
+        layout=layout,
+        flat=flat,
+        pieces=pieces,
+        group=group,
+        param_dtype=param_dtype,
+        reduce_dtype=mp.reduce_dtype or param_dtype,
+    )
+    setattr(flat, _UNIT_ATTR, state)
+    return state, params
+
+
+def sharded_units(module: nn.Module) -> list[UnitState]:
+    """The units of a module that ``shard()`` has sharded (root unit first, then in module order)."""
+    states = getattr(module, _STATE_ATTR, None)
+    if states is None:
+        raise ValueError(f"{type(module).__name__} is not sharded: call fsdp_compile.shard(module, units=...) first")
+    return list(states)
+
+
+def unit_of_shard(tensor: object) -> UnitState | None:
+    """The unit whose flat shard ``tensor`` is, or None."""
+    return getattr(tensor, _UNIT_ATTR, None) if isinstance(tensor, torch.Tensor) else None

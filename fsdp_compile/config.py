@@ -1,0 +1,41 @@
+"""User-facing configuration: mixed precision for ``shard()`` and the backend's options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+__all__ = ["BackendConfig", "MixedPrecision"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedPrecision:
+    """Dtypes of the collectives; the shards (the optimizer's main weights) keep the model's dtype."""
+
+    param_dtype: torch.dtype | None = None
+    """Dtype the unit's flat shard is cast to before its all-gather; the forward and backward compute in
+    it. ``None``: the shard's own dtype (no cast)."""
+
+    reduce_dtype: torch.dtype | None = None
+    """Dtype of the backward reduce-scatter. ``None``: ``param_dtype`` (or the shard's dtype when that is
+    ``None`` too). The reduced gradient is cast back to the shard's dtype before it reaches the optimizer."""
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype"):
+            dtype = getattr(self, field)
+            if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+                raise TypeError(
+                    f"MixedPrecision.{field} must be a floating-point torch.dtype such as torch.bfloat16 "
+                    f"or None, got {dtype!r}"
+                )
+
+
+@dataclass(frozen=True, kw_only=True)
+class BackendConfig:
+    """Options of ``fsdp_compile.backend(**options)``."""
+
+    compiler: Literal["inductor", "aot_eager"] = "inductor"
+    """What compiles the forward and backward graphs after the passes: Inductor (the default), or
+    ``"aot_eager"``, which runs the same AOT graphs op by op (fast to build; for debugging and tests)."""

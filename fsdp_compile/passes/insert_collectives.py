@@ -1,0 +1,161 @@
+"""Replace the per-parameter ``unshard`` markers of each unit by ONE all-gather and a view per parameter.
+
+Precondition: a Dynamo graph whose reads of sharded parameters are ``fsdp_compile::unshard`` markers on
+placeholders that ``map_units`` identified as flat shards.
+Postcondition: no marker is left; each unit that was read has exactly one ``gather_unit`` call, placed
+just before the unit's first read, whose output is narrowed and viewed into the parameters. Its autograd
+(see ``fsdp_compile._ops``) makes AOTAutograd emit one reduce-scatter per unit in the backward graph.
+
+Example (a unit with two parameters)::
+
+    w = fsdp_compile.unshard(flat_1, 0, 64, [8, 8], torch.float32)
+    b = fsdp_compile.unshard(flat_1, 64, 8, [8], torch.float32)
+  becomes
+    full = gather_unit(flat_1, torch.float32, torch.float32, 2, "0")
+    w = torch.narrow(full, 0, 0, 64).view([8, 8])
+    b = torch.narrow(full, 0, 64, 8).view([8])
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+from torch.fx.operator_schemas import normalize_function
+
+from fsdp_compile._ops import gather_unit, unshard
+from fsdp_compile.passes.map_units import UnitInputs
+
+__all__ = ["CollectivesPlan", "UnitGather", "apply_collectives", "is_marker", "plan_collectives"]
+
+log = logging.getLogger(__name__)
+
+_MARKER_OP = torch.ops.fsdp_compile.unshard
+
+
+@dataclass(frozen=True)
+class ParamView:
+    """One marker to replace: node name and the parameter's place in the gathered buffer."""
+
+    marker: str
+    offset: int
+    numel: int
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class UnitGather:
+    """One all-gather: the unit's flat-shard placeholder, its collective settings and the views it feeds."""
+
+    unit: str
+    shard: str
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    world_size: int
+    group_name: str
+    views: tuple[ParamView, ...]
+
+
+@dataclass(frozen=True)
+class CollectivesPlan:
+    gathers: tuple[UnitGather, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(
+            [
+                {
+                    "unit": g.unit,
+                    "shard": g.shard,
+                    "param_dtype": str(g.param_dtype),
+                    "reduce_dtype": str(g.reduce_dtype),
+                    "world_size": g.world_size,
+                    "group_name": g.group_name,
+                    "params": [v.marker for v in g.views],
+                }
+                for g in self.gathers
+            ]
+        )
+
+
+def is_marker(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in (_MARKER_OP, _MARKER_OP.default, unshard)
+
+
+def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputs) -> CollectivesPlan:
+    views: dict[str, list[ParamView]] = {}
+    for node in gm.graph.nodes:
+        if not is_marker(node):
+            continue
+        args = normalize_function(_MARKER_OP.default, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+        assert args is not None
+        kwargs = args.kwargs
+        shard = kwargs["flat"]
+        if not isinstance(shard, fx.Node) or shard.name not in unit_inputs.units:
+            raise RuntimeError(
+                f"{node.format_node()} reads a sharded parameter through {shard}, which is not a unit's flat "
+                "shard lifted as a graph input; compute on the module's parameters, not on copies of its "
+                "internal shard"
+            )
+        state = unit_inputs.units[shard.name]
+        if kwargs["dtype"] != state.param_dtype:
+            raise AssertionError(f"{node.name}: marker dtype {kwargs['dtype']} != unit dtype {state.param_dtype}")
+        views.setdefault(shard.name, []).append(
+            ParamView(marker=node.name, offset=kwargs["offset"], numel=kwargs["numel"], shape=tuple(kwargs["shape"]))
+        )
+    gathers = []
+    for shard_name, unit_views in views.items():
+        state = unit_inputs.units[shard_name]
+        gathers.append(
+            UnitGather(
+                unit=state.layout.fqn,
+                shard=shard_name,
+                param_dtype=state.param_dtype,
+                reduce_dtype=state.reduce_dtype,
+                world_size=state.world_size,
+                group_name=state.group_name,
+                views=tuple(unit_views),
+            )
+        )
+    return CollectivesPlan(gathers=tuple(gathers))
+
+
+def _add(graph: fx.Graph, op: str, target: object, args: tuple[object, ...]) -> fx.Node:
+    """Create a node and record its fake value, computed from its inputs' fake values."""
+    node = graph.create_node(op, target, args)  # type: ignore[arg-type]
+    fake_args = [a.meta["example_value"] if isinstance(a, fx.Node) else a for a in args]
+    fake_mode = next(a.fake_mode for a in fake_args if isinstance(a, torch.Tensor))  # type: ignore[attr-defined]
+    with fake_mode:
+        value = getattr(fake_args[0], target)(*fake_args[1:]) if op == "call_method" else target(*fake_args)  # type: ignore[operator]
+    node.meta["example_value"] = node.meta["val"] = value
+    return node
+
+
+def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
+    nodes = {n.name: n for n in gm.graph.nodes}
+    graph = gm.graph
+    for gather in plan.gathers:
+        markers = [nodes[v.marker] for v in gather.views]
+        with graph.inserting_before(markers[0]):
+            full = _add(
+                graph,
+                "call_function",
+                gather_unit,
+                (nodes[gather.shard], gather.param_dtype, gather.reduce_dtype, gather.world_size, gather.group_name),
+            )
+            full.meta["fsdp_compile.unit"] = gather.unit
+        for view, marker in zip(gather.views, markers):
+            with graph.inserting_before(marker):
+                narrowed = _add(graph, "call_function", torch.narrow, (full, 0, view.offset, view.numel))
+                param = _add(graph, "call_method", "view", (narrowed, list(view.shape)))
+            param.meta["fsdp_compile.unit"] = gather.unit
+            marker.replace_all_uses_with(param)
+            graph.erase_node(marker)
+    leftover = [n.format_node() for n in graph.nodes if is_marker(n)]
+    if leftover:
+        raise AssertionError(f"insert_collectives left markers behind: {leftover}")
+    graph.lint()
+    gm.recompile()
+    log.debug("insert_collectives: %d all-gathers", len(plan.gathers))

@@ -1,0 +1,1 @@
+"""Helpers shared by the tests, the example and the benchmarks: a Llama-style model and rank spawning."""
