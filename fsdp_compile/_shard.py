@@ -34,6 +34,8 @@ __all__ = ["UnitState", "shard", "sharded_units", "unit_of_shard"]
 
 log = logging.getLogger(__name__)
 
+_c10d = torch.ops._c10d_functional
+
 UnitSpec = Union[Iterable[type[nn.Module]], Callable[[str, nn.Module], bool]]
 
 _STATE_ATTR = "_fsdp_compile_units"
@@ -80,9 +82,8 @@ class UnitState:
 
     def gather_full(self) -> torch.Tensor:
         """The unpadded-layout full flat buffer in the shard's dtype, without autograd (for state dicts)."""
-        out = self.flat.new_empty(self.layout.padded_numel)
-        dist.all_gather_into_tensor(out, self.flat.detach(), group=self.group)
-        return out
+        gathered = _c10d.all_gather_into_tensor(self.flat.detach(), self.world_size, self.group_name)
+        return _c10d.wait_tensor(gathered)
 
     def _distribute_grad(self, flat: torch.Tensor) -> None:
         grad = flat.grad

@@ -114,4 +114,5 @@ class Llama(nn.Module):
         logits = self.output(self.norm(x))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())

@@ -1,0 +1,110 @@
+"""shard(): sharded storage, names, ties, sizes (fake process group, one process per rank in turn)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_compile
+from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+
+ALIGN = 16  # elements; each parameter starts aligned in its unit's flat buffer
+
+
+def _fake_rank(rank: int, world_size: int) -> None:
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+@pytest.fixture
+def sharded(request: pytest.FixtureRequest) -> Iterator[tuple[Llama, Llama, int, int]]:
+    rank, world_size = request.param
+    _fake_rank(rank, world_size)
+    torch.manual_seed(0)
+    original = Llama(LLAMA_TINY)
+    model = Llama(LLAMA_TINY)
+    model.load_state_dict(original.state_dict())
+    fsdp_compile.shard(model, units=[Block])
+    yield original, model, rank, world_size
+    dist.destroy_process_group()
+
+
+RANKS = [(r, w) for w in (2, 3) for r in range(w)]
+
+
+def _expected_local_numel(original: Llama, rank: int, world_size: int) -> int:
+    """Independent count: each unit's parameters packed at ALIGN-aligned offsets, padded to the world size;
+    this rank holds elements [rank * shard, (rank + 1) * shard) of each unit."""
+    units: dict[str, list[int]] = {}
+    for name, p in original.named_parameters():
+        unit = ".".join(name.split(".")[:2]) if name.startswith("layers.") else ""
+        units.setdefault(unit, []).append(p.numel())
+    total = 0
+    for numels in units.values():
+        offset, spans = 0, []
+        for n in numels:
+            offset = -(-offset // ALIGN) * ALIGN
+            spans.append((offset, offset + n))
+            offset += n
+        shard = -(-offset // world_size)
+        lo, hi = rank * shard, (rank + 1) * shard
+        total += sum(max(0, min(e, hi) - max(s, lo)) for s, e in spans)
+    return total
+
+
+@pytest.mark.parametrize("sharded", RANKS, indirect=True, ids=[f"rank{r}of{w}" for r, w in RANKS])
+def test_parameters_hold_exactly_this_ranks_shard(sharded: tuple[Llama, Llama, int, int]) -> None:
+    original, model, rank, world_size = sharded
+    local = sum(p.numel() for p in model.parameters())
+    full = sum(p.numel() for p in original.parameters())
+    assert local == _expected_local_numel(original, rank, world_size)
+    assert abs(local - full / world_size) <= 0.02 * full / world_size
+    assert all(p.dim() == 1 for p in model.parameters())
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_every_element_is_held_by_exactly_one_rank(world_size: int) -> None:
+    torch.manual_seed(0)
+    original = Llama(LLAMA_TINY)
+    full = sum(p.numel() for p in original.parameters())
+    assert sum(_expected_local_numel(original, r, world_size) for r in range(world_size)) == full
+
+
+@pytest.mark.parametrize("sharded", [(1, 2)], indirect=True)
+def test_names_ties_and_values_are_kept(sharded: tuple[Llama, Llama, int, int]) -> None:
+    original, model, _, _ = sharded
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in original.named_parameters()]
+    assert list(model.state_dict()) == list(original.state_dict())
+    assert model.output._parameters["weight"] is model.tok_embeddings._parameters["weight"]
+    assert isinstance(model.layers[0], Block) and isinstance(model.output, nn.Linear)
+    # Each piece is a view of its unit's flat shard holding the right values.
+    for state in fsdp_compile.sharded_units(model):
+        for piece, slot, lo, hi in state.pieces:
+            assert piece.untyped_storage().data_ptr() == state.flat.untyped_storage().data_ptr()
+            start = state.layout.shard_numel + lo - slot.offset  # rank 1
+            want = original.get_parameter(slot.names[0]).detach().reshape(-1)[start : start + hi - lo]
+            torch.testing.assert_close(piece.detach(), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("sharded", [(0, 2)], indirect=True)
+def test_units_and_layout(sharded: tuple[Llama, Llama, int, int]) -> None:
+    _, model, _, world_size = sharded
+    units = fsdp_compile.sharded_units(model)
+    assert [u.layout.fqn for u in units] == ["", "layers.0", "layers.1", "layers.2", "layers.3"]
+    root = units[0].layout
+    assert [s.names for s in root.slots] == [("tok_embeddings.weight", "output.weight"), ("norm.weight",)]
+    for u in units:
+        assert u.layout.padded_numel % world_size == 0
+        assert all(s.offset % ALIGN == 0 for s in u.layout.slots)
+        assert u.flat.requires_grad and u.flat.is_leaf and u.flat.numel() == u.layout.shard_numel
+
+
+def test_backend_is_registered_by_name() -> None:
+    from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+    assert "fsdp_compile" in list_backends(exclude_tags=())
+    assert lookup_backend("fsdp_compile").__name__ == "fsdp_compile_backend"
