@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_compile
-from fsdp_compile.testing.dist import spawn_gloo
+from fsdp_compile.testing.dist import spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 STEPS = 5
@@ -21,18 +21,21 @@ BATCH_PER_RANK = 2
 SEQ = 8
 LR = 1e-3
 
-# (compiler, model dtype, param dtype) -> (loss rtol, parameter rtol); rtol = ||got - want|| / ||want||.
+# (device, compiler, model dtype, param dtype) -> (loss rtol, parameter rtol); rtol = ||got - want|| / ||want||.
 TOLERANCES = {
     # Same dtype: only the reduction order differs (per-rank means averaged vs one global mean).
-    ("aot_eager", torch.float64, torch.float64): (1e-12, 1e-10),
-    ("aot_eager", torch.float32, torch.float32): (1e-5, 1e-5),
-    ("inductor", torch.float32, torch.float32): (1e-5, 1e-5),
+    ("cpu", "aot_eager", torch.float64, torch.float64): (1e-12, 1e-10),
+    ("cpu", "aot_eager", torch.float32, torch.float32): (1e-5, 1e-5),
+    ("cpu", "inductor", torch.float32, torch.float32): (1e-5, 1e-5),
     # bf16 params, fp32 reduce, eager kernels: the same ops as the reference, so (near) bitwise.
-    ("aot_eager", torch.float32, torch.bfloat16): (1e-6, 1e-6),
+    ("cpu", "aot_eager", torch.float32, torch.bfloat16): (1e-6, 1e-6),
     # Inductor fuses bf16 ops and keeps fp32 intermediates where eager rounds to bf16: gradients differ at
     # bf16 resolution (2**-8 = 3.9e-3), and AdamW's update of an element whose gradient is within that
     # noise can flip; measured 1.3e-4 (loss) and 9.6e-3 (worst tensor, attention.wk) over 5 steps.
-    ("inductor", torch.float32, torch.bfloat16): (1e-3, 3e-2),
+    ("cpu", "inductor", torch.float32, torch.bfloat16): (1e-3, 3e-2),
+    # NCCL on GPUs: the same claims; GPU kernels (TF32 off, bf16 GEMMs with fp32 accumulation).
+    ("cuda", "inductor", torch.float32, torch.float32): (1e-5, 1e-5),
+    ("cuda", "inductor", torch.float32, torch.bfloat16): (1e-3, 3e-2),
 }
 
 
@@ -76,11 +79,12 @@ def _ref_step(ref: Llama, tokens: torch.Tensor, param_dtype: torch.dtype, world_
 
 
 def _train_and_compare(
-    rank: int, world_size: int, compiler: str, dtype: torch.dtype, param_dtype: torch.dtype
+    rank: int, world_size: int, compiler: str, dtype: torch.dtype, param_dtype: torch.dtype, device: str = "cpu"
 ) -> None:
-    loss_tol, param_tol = TOLERANCES[(compiler, dtype, param_dtype)]
+    loss_tol, param_tol = TOLERANCES[(device, compiler, dtype, param_dtype)]
     torch.manual_seed(0)
-    ref = Llama(LLAMA_TINY).to(dtype)
+    device = f"cuda:{rank}" if device == "cuda" else device
+    ref = Llama(LLAMA_TINY).to(device, dtype)
     model = copy.deepcopy(ref)
     mp = fsdp_compile.MixedPrecision(param_dtype=param_dtype, reduce_dtype=dtype)
     fsdp_compile.shard(model, units=[Block], mp=mp)
@@ -90,6 +94,7 @@ def _train_and_compare(
     for step in range(STEPS):
         gen = torch.Generator().manual_seed(step)
         tokens = torch.randint(0, LLAMA_TINY.vocab_size, (world_size * BATCH_PER_RANK, SEQ + 1), generator=gen)
+        tokens = tokens.to(device)
         local = tokens[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
         loss = compiled(local[:, :-1], local[:, 1:])
         loss.backward()
@@ -117,15 +122,22 @@ def _train_and_compare(
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_parity_aot_eager(world_size: int, dtype: torch.dtype) -> None:
-    spawn_gloo(_train_and_compare, world_size, "aot_eager", dtype, dtype)
+    spawn_ranks(_train_and_compare, world_size, "aot_eager", dtype, dtype)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_parity_fp32_inductor(world_size: int) -> None:
-    spawn_gloo(_train_and_compare, world_size, "inductor", torch.float32, torch.float32)
+    spawn_ranks(_train_and_compare, world_size, "inductor", torch.float32, torch.float32)
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_parity_bf16_params_fp32_reduce(compiler: str) -> None:
-    spawn_gloo(_train_and_compare, 2, compiler, torch.float32, torch.bfloat16)
+    spawn_ranks(_train_and_compare, 2, compiler, torch.float32, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-fp32reduce"])
+def test_parity_nccl_inductor(param_dtype: torch.dtype) -> None:
+    spawn_ranks(_train_and_compare, 2, "inductor", torch.float32, param_dtype, "cuda", backend="nccl")
