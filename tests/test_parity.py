@@ -15,6 +15,7 @@ import torch.distributed as dist
 import fsdp_compile
 from fsdp_compile.testing.dist import spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+from fsdp_compile.testing.reference import reference_step, rel_error
 
 STEPS = 5
 BATCH_PER_RANK = 2
@@ -48,36 +49,6 @@ def _param_groups(model: torch.nn.Module) -> list[dict]:
     ]
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
-
-
-def _ref_step(ref: Llama, tokens: torch.Tensor, param_dtype: torch.dtype, world_size: int) -> torch.Tensor:
-    """Forward and backward of the unsharded reference; leaves gradients in the reference's dtype on ``ref``
-    and returns the global-batch loss.
-
-    Same dtype: one pass over the global batch (the claim: averaging over ranks == the global batch).
-    Mixed precision: what the sharded model is meant to compute, in one process: each rank's micro-batch
-    forward/backward in ``param_dtype``, gradients cast to the reference dtype and averaged there.
-    """
-    dtype = next(ref.parameters()).dtype
-    if param_dtype == dtype:
-        loss = ref(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
-        return loss.detach()
-    low = copy.deepcopy(ref).to(param_dtype)
-    losses = []
-    for micro in tokens.chunk(world_size):
-        loss = low(micro[:, :-1], micro[:, 1:])
-        loss.backward()
-        losses.append(loss.detach().to(dtype))
-        for p, q in zip(ref.parameters(), low.parameters()):
-            grad = q.grad.to(dtype) / world_size
-            p.grad = grad if p.grad is None else p.grad + grad
-        low.zero_grad()
-    return torch.stack(losses).mean()
-
-
 def _train_and_compare(
     rank: int, world_size: int, compiler: str, dtype: torch.dtype, param_dtype: torch.dtype, device: str = "cpu"
 ) -> None:
@@ -100,18 +71,18 @@ def _train_and_compare(
         loss.backward()
         opt.step()
         opt.zero_grad()
-        ref_loss = _ref_step(ref, tokens, param_dtype, world_size)
+        ref_loss = reference_step(ref, tokens, param_dtype, world_size)
         ref_opt.step()
         ref_opt.zero_grad()
 
         global_loss = loss.detach().clone()
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
-        loss_err = _rel(global_loss, ref_loss)
+        loss_err = rel_error(global_loss, ref_loss)
         assert loss_err <= loss_tol, (step, global_loss.item(), ref_loss.item())
         full = fsdp_compile.full_state_dict(model)
         expected = ref.state_dict()
         assert list(full) == list(expected)
-        errors = {k: _rel(full[k], v) for k, v in expected.items()}
+        errors = {k: rel_error(full[k], v) for k, v in expected.items()}
         worst = max(errors, key=errors.__getitem__)
         if rank == 0:
             print(f"parity {compiler} {dtype}/{param_dtype} world {world_size} step {step}: loss {loss.item():.5f} "

@@ -1,0 +1,41 @@
+"""The unsharded single-process reference that sharded training must match."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+__all__ = ["reference_step", "rel_error"]
+
+
+def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    """``||got - want|| / ||want||`` in float64."""
+    return ((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30)).item()
+
+
+def reference_step(ref: nn.Module, tokens: torch.Tensor, param_dtype: torch.dtype, world_size: int) -> torch.Tensor:
+    """Forward and backward of the unsharded ``ref`` (called as ``ref(inputs, targets) -> loss``) on the
+    global batch ``tokens``; leaves gradients in the reference's own dtype on ``ref`` and returns the loss.
+
+    Same dtype: one pass over the global batch (what averaging over ranks must equal).
+    Mixed precision: what the sharded model computes, in one process: each rank's micro-batch forward and
+    backward in ``param_dtype``, gradients cast to the reference dtype and averaged there.
+    """
+    dtype = next(ref.parameters()).dtype
+    if param_dtype == dtype:
+        loss = ref(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        return loss.detach()
+    low = copy.deepcopy(ref).to(param_dtype)
+    losses = []
+    for micro in tokens.chunk(world_size):
+        loss = low(micro[:, :-1], micro[:, 1:])
+        loss.backward()
+        losses.append(loss.detach().to(dtype))
+        for p, q in zip(ref.parameters(), low.parameters()):
+            grad = q.grad.to(dtype) / world_size
+            p.grad = grad if p.grad is None else p.grad + grad
+        low.zero_grad()
+    return torch.stack(losses).mean()
