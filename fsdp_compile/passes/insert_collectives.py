@@ -2,8 +2,9 @@
 
 Precondition: a Dynamo graph whose reads of sharded parameters are ``fsdp_compile::unshard`` markers on
 placeholders that ``map_units`` identified as flat shards.
-Postcondition: no marker is left; each unit that was read has exactly one ``gather_unit`` call, placed
-just before the unit's first read, whose output is narrowed and viewed into the parameters. Its autograd
+Postcondition: no marker is left; each unit that was read has exactly one ``gather_unit`` call per
+(sub)graph that reads it, placed just before the unit's first read there (a unit read inside a
+checkpointed region is gathered inside the region, so its recomputation re-gathers it once), whose output is narrowed and viewed into the parameters. Its autograd
 (see ``fsdp_compile._ops``) makes AOTAutograd emit one reduce-scatter per unit in the backward graph.
 
 Example (a unit with two parameters)::
@@ -27,7 +28,7 @@ import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
 from fsdp_compile._ops import gather_unit, unshard
-from fsdp_compile.passes.map_units import UnitInputs
+from fsdp_compile.passes.map_units import UnitInputs, iter_graphs
 
 __all__ = ["CollectivesPlan", "UnitGather", "apply_collectives", "is_marker", "plan_collectives"]
 
@@ -51,6 +52,8 @@ class UnitGather:
     """One all-gather: the unit's flat-shard placeholder, its collective settings and the views it feeds."""
 
     unit: str
+    graph: str
+    """Dotted path of the (sub)graph holding the markers: "" for the Dynamo graph itself."""
     shard: str
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
@@ -68,6 +71,7 @@ class CollectivesPlan:
             [
                 {
                     "unit": g.unit,
+                    "graph": g.graph,
                     "shard": g.shard,
                     "param_dtype": str(g.param_dtype),
                     "reduce_dtype": str(g.reduce_dtype),
@@ -85,32 +89,35 @@ def is_marker(node: fx.Node) -> bool:
 
 
 def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputs) -> CollectivesPlan:
-    views: dict[str, list[ParamView]] = {}
-    for node in gm.graph.nodes:
-        if not is_marker(node):
-            continue
-        args = normalize_function(_MARKER_OP.default, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
-        assert args is not None
-        kwargs = args.kwargs
-        shard = kwargs["flat"]
-        if not isinstance(shard, fx.Node) or shard.name not in unit_inputs.units:
-            raise RuntimeError(
-                f"{node.format_node()} reads a sharded parameter through {shard}, which is not a unit's flat "
-                "shard lifted as a graph input; compute on the module's parameters, not on copies of its "
-                "internal shard"
-            )
-        state = unit_inputs.units[shard.name]
-        if kwargs["dtype"] != state.param_dtype:
-            raise AssertionError(f"{node.name}: marker dtype {kwargs['dtype']} != unit dtype {state.param_dtype}")
-        views.setdefault(shard.name, []).append(
-            ParamView(marker=node.name, offset=kwargs["offset"], numel=kwargs["numel"], shape=tuple(kwargs["shape"]))
-        )
+    """One gather per unit and (sub)graph that reads it, in graph order."""
+    views: dict[tuple[str, str], list[ParamView]] = {}
+    for path, graph_module in iter_graphs(gm):
+        for node in graph_module.graph.nodes:
+            if not is_marker(node):
+                continue
+            args = normalize_function(_MARKER_OP.default, node.args, node.kwargs, normalize_to_only_use_kwargs=True)
+            assert args is not None
+            kwargs = args.kwargs
+            shard = kwargs["flat"]
+            key = (path, shard.name if isinstance(shard, fx.Node) else "")
+            if key not in unit_inputs.units:
+                raise RuntimeError(
+                    f"{node.format_node()} reads a sharded parameter through {shard}, which is not a unit's "
+                    "flat shard lifted as a graph input; compute on the module's parameters, not on copies of "
+                    "its internal shard"
+                )
+            state = unit_inputs.units[key]
+            if kwargs["dtype"] != state.param_dtype:
+                raise AssertionError(f"{node.name}: marker dtype {kwargs['dtype']} != unit dtype {state.param_dtype}")
+            view = ParamView(marker=node.name, offset=kwargs["offset"], numel=kwargs["numel"], shape=tuple(kwargs["shape"]))
+            views.setdefault(key, []).append(view)
     gathers = []
-    for shard_name, unit_views in views.items():
-        state = unit_inputs.units[shard_name]
+    for (path, shard_name), unit_views in views.items():
+        state = unit_inputs.units[(path, shard_name)]
         gathers.append(
             UnitGather(
                 unit=state.layout.fqn,
+                graph=path,
                 shard=shard_name,
                 param_dtype=state.param_dtype,
                 reduce_dtype=state.reduce_dtype,
@@ -134,9 +141,12 @@ def _add(graph: fx.Graph, op: str, target: object, args: tuple[object, ...]) -> 
 
 
 def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
-    nodes = {n.name: n for n in gm.graph.nodes}
-    graph = gm.graph
+    touched = {}
     for gather in plan.gathers:
+        graph_module = gm.get_submodule(gather.graph) if gather.graph else gm
+        touched[gather.graph] = graph_module
+        graph = graph_module.graph
+        nodes = {n.name: n for n in graph.nodes}
         markers = [nodes[v.marker] for v in gather.views]
         with graph.inserting_before(markers[0]):
             full = _add(
@@ -153,9 +163,10 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
             param.meta["fsdp_compile.unit"] = gather.unit
             marker.replace_all_uses_with(param)
             graph.erase_node(marker)
-    leftover = [n.format_node() for n in graph.nodes if is_marker(n)]
+    leftover = [n.format_node() for _, g in iter_graphs(gm) for n in g.graph.nodes if is_marker(n)]
     if leftover:
         raise AssertionError(f"insert_collectives left markers behind: {leftover}")
-    graph.lint()
-    gm.recompile()
+    for graph_module in touched.values():
+        graph_module.graph.lint()
+        graph_module.recompile()
     log.debug("insert_collectives: %d all-gathers", len(plan.gathers))

@@ -1,42 +1,79 @@
-"""Map the placeholders of a Dynamo graph to the FSDP units whose flat shards they are.
+"""Map the placeholders of a Dynamo graph, and of the subgraphs it calls, to the FSDP units whose flat
+shards they are.
 
 Precondition: ``gm`` is the graph Dynamo hands to a backend, ``example_inputs`` the real tensors in
-placeholder order (Dynamo passes the unit's flat shard itself, so identity identifies it).
+placeholder order (Dynamo passes the unit's flat shard itself, so identity identifies it). Regions that
+Dynamo keeps as subgraphs (``torch.utils.checkpoint`` -> ``tag_activation_checkpoint``, ``wrap``) receive
+the flat shard as an operand: their placeholder for it maps to the same unit.
 Postcondition: none (analysis only).
 
 Example::
 
-    def forward(self, L_x_, flat_0, flat_1): ...    ->   UnitInputs(units={"flat_0": "", "flat_1": "layers.0"})
+    def forward(self, L_x_, flat_0, flat_1):               UnitInputs(units={
+        ... tag_activation_checkpoint(wrap_body_0, x, flat_1)     ("", "flat_0"): <root>,
+    wrap_body_0: def forward(self, x, flat_1): ...              ("", "flat_1"): layers.0,
+                                                                ("wrap_body_0", "flat_1"): layers.0})
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
 import torch.fx as fx
 
 from fsdp_compile._shard import UnitState, unit_of_shard
 
-__all__ = ["UnitInputs", "plan_unit_inputs"]
+__all__ = ["UnitInputs", "iter_graphs", "plan_unit_inputs"]
+
+_SUBGRAPH_HOPS = (torch.ops.higher_order.tag_activation_checkpoint, torch.ops.higher_order.wrap)
+"""Higher-order ops called as ``hop(body_get_attr, *operands)`` whose body sees the operands in order."""
 
 
 @dataclass(frozen=True)
 class UnitInputs:
-    """The placeholders that are flat shards, by placeholder name, with their units."""
+    """The placeholders that are flat shards, by (graph path, placeholder name), with their units."""
 
-    units: dict[str, UnitState]
+    units: dict[tuple[str, str], UnitState]
 
     def to_json(self) -> str:
-        return json.dumps({name: state.layout.fqn for name, state in self.units.items()})
+        return json.dumps({f"{graph}/{name}": state.layout.fqn for (graph, name), state in self.units.items()})
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _subgraph_calls(gm: fx.GraphModule) -> Iterator[tuple[str, fx.GraphModule, list[object]]]:
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target in _SUBGRAPH_HOPS and node.args[0].op == "get_attr":
+            body, *operands = node.args
+            yield body.target, getattr(gm, body.target), operands
+
+
+def iter_graphs(gm: fx.GraphModule, path: str = "") -> Iterator[tuple[str, fx.GraphModule]]:
+    """``gm`` and, depth first, every subgraph its higher-order calls run, with dotted paths from ``gm``."""
+    yield path, gm
+    for name, sub, _ in _subgraph_calls(gm):
+        yield from iter_graphs(sub, f"{path}.{name}" if path else name)
+
+
+def _map_subgraphs(gm: fx.GraphModule, path: str, units: dict[tuple[str, str], UnitState]) -> None:
+    for name, sub, operands in _subgraph_calls(gm):
+        sub_path = f"{path}.{name}" if path else name
+        for placeholder, operand in zip(_placeholders(sub), operands):
+            if isinstance(operand, fx.Node) and (path, operand.name) in units:
+                units[(sub_path, placeholder.name)] = units[(path, operand.name)]
+        _map_subgraphs(sub, sub_path, units)
 
 
 def plan_unit_inputs(gm: fx.GraphModule, example_inputs: Sequence[object]) -> UnitInputs:
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     units = {}
-    for node, value in zip(placeholders, example_inputs):
+    for node, value in zip(_placeholders(gm), example_inputs):
         state = unit_of_shard(value)
         if state is not None:
-            units[node.name] = state
+            units[("", node.name)] = state
+    _map_subgraphs(gm, "", units)
     return UnitInputs(units=units)

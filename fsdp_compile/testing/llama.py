@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 __all__ = ["Block", "Llama", "LlamaConfig", "LLAMA_0_95B", "LLAMA_TINY"]
 
@@ -20,6 +21,8 @@ class LlamaConfig:
     ffn_dim: int
     max_seq_len: int
     tie_embeddings: bool = True
+    checkpoint_blocks: bool = False
+    """Recompute each block in backward (``torch.utils.checkpoint``, non-reentrant)."""
 
 
 LLAMA_TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=48, max_seq_len=16)
@@ -110,7 +113,10 @@ class Llama(nn.Module):
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope_cos[:s].to(x.dtype), self.rope_sin[:s].to(x.dtype)
         for layer in self.layers:
-            x = layer(x, cos, sin)
+            if self.cfg.checkpoint_blocks:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin)
         logits = self.output(self.norm(x))
         if targets is None:
             return logits
