@@ -6,7 +6,22 @@
 
 from fsdp_compile._backend import backend
 from fsdp_compile._shard import shard, sharded_units
-from fsdp_compile._state_dict import full_state_dict
+from fsdp_compile._state_dict import (
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_full_optimizer_state_dict,
+    load_full_state_dict,
+)
 from fsdp_compile.config import BackendConfig, MixedPrecision
 
-__all__ = ["BackendConfig", "MixedPrecision", "backend", "full_state_dict", "shard", "sharded_units"]
+__all__ = [
+    "BackendConfig",
+    "MixedPrecision",
+    "backend",
+    "full_optimizer_state_dict",
+    "full_state_dict",
+    "load_full_optimizer_state_dict",
+    "load_full_state_dict",
+    "shard",
+    "sharded_units",
+]

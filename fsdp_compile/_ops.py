@@ -64,5 +64,7 @@ def gather_unit(
     shard: torch.Tensor, param_dtype: torch.dtype, reduce_dtype: torch.dtype, world_size: int, group_name: str
 ) -> torch.Tensor:
     """All-gather one unit's flat shard (cast to ``param_dtype``); gradients are averaged over the group in
-    ``reduce_dtype`` and reach ``shard`` in its own dtype."""
+    ``reduce_dtype`` and reach ``shard`` in its own dtype. A group of one rank needs no collective."""
+    if world_size == 1:
+        return shard.to(param_dtype)
     return _GatherUnit.apply(shard, param_dtype, reduce_dtype, world_size, group_name)

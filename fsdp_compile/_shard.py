@@ -19,12 +19,15 @@ After ``shard(model, units=...)``:
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
 
 from fsdp_compile._layout import ParamSlot, UnitLayout, plan_layout
 from fsdp_compile._ops import gather_unit, unshard
@@ -41,6 +44,32 @@ UnitSpec = Union[Iterable[type[nn.Module]], Callable[[str, nn.Module], bool]]
 _STATE_ATTR = "_fsdp_compile_units"
 _SLOTS_ATTR = "_fsdp_compile_slots"
 _UNIT_ATTR = "_fsdp_compile_unit"
+_REPLACED_ATTR = "_fsdp_compile_replaced"  # on an original parameter that shard() replaced: its name
+
+_optimizer_hook: RemovableHandle | None = None
+_checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step pre-hook: refuse to step an optimizer that holds parameters shard() replaced."""
+    if optimizer in _checked_optimizers:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = getattr(param, _REPLACED_ATTR, None)
+            if name is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds parameter {name!r} as it was before fsdp_compile.shard() "
+                    "replaced it with a sharded piece, so this optimizer would train nothing: build the optimizer "
+                    "after shard(), from model.parameters() (or model.named_parameters())"
+                )
+    _checked_optimizers.add(optimizer)
+
+
+def _watch_optimizers() -> None:
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer)
 
 
 class UnitState:
@@ -62,6 +91,7 @@ class UnitState:
         self.group = group
         self.group_name: str = group.group_name
         self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.gathered: torch.Tensor | None = None
@@ -80,10 +110,22 @@ class UnitState:
         gathered = self.gathered if self.gathered is not None else self.gather()
         return gathered[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
-    def gather_full(self) -> torch.Tensor:
-        """The unpadded-layout full flat buffer in the shard's dtype, without autograd (for state dicts)."""
-        gathered = _c10d.all_gather_into_tensor(self.flat.detach(), self.world_size, self.group_name)
-        return _c10d.wait_tensor(gathered)
+    @torch.no_grad()
+    def gather_full(self, local: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """All-gather a shard-shaped tensor (default: the flat shard itself) without autograd and return the
+        full value of every parameter, in slot order. A collective: every rank calls it."""
+        local = self.flat if local is None else local
+        if self.world_size == 1:
+            full = local.detach()
+        else:
+            full = _c10d.wait_tensor(_c10d.all_gather_into_tensor(local.detach(), self.world_size, self.group_name))
+        return [full[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots]
+
+    def local_part(self, slot: ParamSlot, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full parameter-shaped tensor ``full`` (a 1-D view)."""
+        lo, hi = self.layout.local_range(slot, self.rank)
+        start = self.rank * self.layout.shard_numel - slot.offset
+        return full.reshape(-1)[start + lo : start + hi]
 
     def _distribute_grad(self, flat: torch.Tensor) -> None:
         grad = flat.grad
@@ -139,16 +181,6 @@ def _unit_predicate(units: UnitSpec) -> Callable[[str, nn.Module], bool]:
     return lambda fqn, module: isinstance(module, classes)
 
 
-def _common_prefix(fqns: list[str]) -> str:
-    parts = [f.split(".") if f else [] for f in fqns]
-    common: list[str] = []
-    for level in zip(*parts):
-        if any(p != level[0] for p in level):
-            break
-        common.append(level[0])
-    return ".".join(common)
-
-
 def shard(
     module: nn.Module,
     *,
@@ -159,21 +191,22 @@ def shard(
     """Shard ``module`` in place into FSDP units and return it.
 
     ``units``: module classes, or a predicate ``(fqn, submodule) -> bool``; every matching submodule is a
-    unit, the parameters left over form the root unit. A weight tied across units lives in their lowest
-    common unit. ``group``: the process group to shard over (default: the default group). ``mp``: the
+    unit, the parameters left over form the root unit. Tied parameters must be owned by modules of one
+    unit. ``group``: the process group to shard over (default: the default group). ``mp``: the
     all-gather and reduce-scatter dtypes; the shards keep the model's dtype.
+
+    Every check happens before the module is touched: on an error, the module is left as it was.
     """
-    if getattr(module, _STATE_ATTR, None) is not None:
-        raise ValueError(f"{type(module).__name__} is already sharded by fsdp_compile.shard(); shard it once")
-    if group is None:
-        if not dist.is_initialized():
-            raise RuntimeError(
-                "fsdp_compile.shard() needs a process group: call torch.distributed.init_process_group() "
-                "first or pass group=..."
-            )
-        group = dist.group.WORLD
-    assert group is not None
-    mp = mp or MixedPrecision()
+    if getattr(module, _STATE_ATTR, None) is not None or any(hasattr(m, _SLOTS_ATTR) for m in module.modules()):
+        raise ValueError(
+            f"{type(module).__name__} (or one of its submodules) is already sharded by fsdp_compile.shard(); "
+            "shard a model once, from its top-level module"
+        )
+    if mp is None:
+        mp = MixedPrecision()
+    elif not isinstance(mp, MixedPrecision):
+        raise TypeError(f"mp must be a fsdp_compile.MixedPrecision, got {type(mp).__name__}")
+    group = _resolve_group(group)
     is_unit = _unit_predicate(units)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
 
@@ -182,6 +215,11 @@ def shard(
     for fqn, sub in module.named_modules(remove_duplicate=False):
         parent = fqn.rpartition(".")[0] if fqn else None
         unit_of[fqn] = fqn if (fqn == "" or is_unit(fqn, sub)) else unit_of[parent]  # type: ignore[index]
+    if set(unit_of.values()) == {""} and not is_unit("", module):
+        raise ValueError(
+            f"units={units!r} matched no submodule of {type(module).__name__}: pass the classes of the blocks "
+            "to shard one by one (e.g. units=[TransformerBlock]) or a predicate (fqn, module) -> bool"
+        )
 
     # Owners of every parameter (a tied weight has several), in named_parameters order.
     owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]] = {}
@@ -192,11 +230,19 @@ def shard(
             entry = (sub, name, f"{fqn}.{name}" if fqn else name)
             if all(o[0] is not sub or o[1] != name for o in owners.get(param, [])):
                 owners.setdefault(param, []).append(entry)
+    _check_parameters(module, owners)
 
     by_unit: dict[str, list[nn.Parameter]] = {}
     for param, owned in owners.items():
-        owner_modules = [fqn.rpartition(".")[0] for _, _, fqn in owned]
-        by_unit.setdefault(unit_of[_common_prefix(owner_modules)], []).append(param)
+        param_units = {unit_of[fqn.rpartition(".")[0]] for _, _, fqn in owned}
+        if len(param_units) > 1:
+            names = [fqn for _, _, fqn in owned]
+            raise ValueError(
+                f"parameter {names[0]!r} is shared by modules of different units {sorted(param_units)} "
+                f"(names {names}); a tied parameter must belong to one unit: leave the modules that share it "
+                "out of `units` (the root unit then owns it) or make their common parent the unit"
+            )
+        by_unit.setdefault(param_units.pop(), []).append(param)
 
     unit_order = list(dict.fromkeys(unit_of.values()))
     built = [
@@ -206,9 +252,11 @@ def shard(
     ]
 
     # Mutate the module only once every unit is built.
+    _watch_optimizers()
     sharded_modules: dict[int, nn.Module] = {}
     for state, originals in built:
         for (piece, slot, _, _), original in zip(state.pieces, originals):
+            setattr(original, _REPLACED_ATTR, slot.names[0])
             for sub, name, _ in owners[original]:
                 sub._parameters[name] = piece
                 sub.__dict__.setdefault(_SLOTS_ATTR, {})[name] = (state, slot)
@@ -225,6 +273,36 @@ def shard(
     return module
 
 
+def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    if group is None:
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "fsdp_compile.shard() needs a process group: call torch.distributed.init_process_group() "
+                "first (one process per rank) or pass group=..."
+            )
+        return dist.group.WORLD  # type: ignore[return-value]
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
+    return group
+
+
+def _check_parameters(module: nn.Module, owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]]) -> None:
+    if not owners:
+        raise ValueError(f"{type(module).__name__} has no parameters to shard")
+    meta = [owned[0][2] for p, owned in owners.items() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"parameters on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): "
+            "materialize them before shard(), e.g. module.to_empty(device=...) and initialize the weights"
+        )
+    devices: dict[torch.device, str] = {}
+    for p, owned in owners.items():
+        devices.setdefault(p.device, owned[0][2])
+    if len(devices) > 1:
+        found = ", ".join(f"{name!r} on {device}" for device, name in devices.items())
+        raise ValueError(f"parameters on several devices ({found}): move the whole model to one device first")
+
+
 def _build_unit(
     unit_fqn: str,
     params: list[nn.Parameter],
@@ -235,19 +313,17 @@ def _build_unit(
     mp: MixedPrecision,
 ) -> tuple[UnitState, list[nn.Parameter]]:
     """Copy this rank's chunk of the unit into a new flat shard and cut one piece per parameter."""
-    dtypes = {p.dtype for p in params}
-    devices = {p.device for p in params}
-    if len(dtypes) > 1 or len(devices) > 1:
-        names = {str(p.dtype) + "@" + str(p.device): owners[p][0][2] for p in params}
+    dtypes = {p.dtype: owners[p][0][2] for p in params}
+    if len(dtypes) > 1:
         raise ValueError(
-            f"unit {unit_fqn or '<root>'!r} mixes parameter dtypes/devices {names}; one unit must hold one "
-            "dtype on one device: convert the model (model.to(dtype, device)) before shard()"
+            f"unit {unit_fqn or '<root>'!r} mixes parameter dtypes {dtypes}; a unit's parameters share one flat "
+            "buffer of one dtype: convert the model (e.g. model.float()) before shard()"
         )
     layout = plan_layout(
         unit_fqn, [(tuple(fqn for _, _, fqn in owners[p]), tuple(p.shape)) for p in params], world_size
     )
     (dtype,) = dtypes
-    (device,) = devices
+    device = params[0].device
     full = torch.zeros(layout.padded_numel, dtype=dtype, device=device)
     for slot, param in zip(layout.slots, params):
         full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))

@@ -1,28 +1,162 @@
-"""Full (unsharded) state dicts of a sharded module."""
+"""Full (unsharded) state dicts of a sharded module and of its optimizer: save, and load into the shards.
+
+Full state dicts are independent of the world size: save on N ranks, load on M.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
 
-from fsdp_compile._shard import sharded_units
+from fsdp_compile._layout import ParamSlot
+from fsdp_compile._shard import UnitState, sharded_units
 
-__all__ = ["full_state_dict"]
+__all__ = ["full_optimizer_state_dict", "full_state_dict", "load_full_optimizer_state_dict", "load_full_state_dict"]
+
+
+def _pieces(module: nn.Module) -> Iterator[tuple[UnitState, nn.Parameter, ParamSlot]]:
+    for state in sharded_units(module):
+        for piece, slot, _, _ in state.pieces:
+            yield state, piece, slot
+
+
+def _emit(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
+    return tensor.to("cpu", copy=True) if cpu_offload else tensor.clone()
 
 
 @torch.no_grad()
-def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
-    """Original parameter and buffer names -> full tensors, on every rank (a collective: call it on all).
+def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
+    """Original parameter and buffer names -> full tensors. A collective: call it on every rank.
 
     Keys and order are those of ``module.state_dict()`` before sharding; both names of a tied weight map
-    to the same tensor, as ``nn.Module.state_dict`` gives them.
+    to the same tensor, as ``nn.Module.state_dict`` gives them. ``rank0_only``: other ranks return ``{}``.
+    ``cpu_offload``: the tensors are copied to CPU memory, one unit at a time.
     """
-    full_params: dict[int, torch.Tensor] = {}
+    keep = not rank0_only or torch.distributed.get_rank() == 0
+    full: dict[int, torch.Tensor] = {}
     for state in sharded_units(module):
-        gathered = state.gather_full()
-        for piece, slot, _, _ in state.pieces:
-            full_params[id(piece)] = gathered[slot.offset : slot.offset + slot.numel].view(slot.shape).clone()
+        values = state.gather_full()
+        if keep:
+            for (piece, _, _, _), value in zip(state.pieces, values):
+                full[id(piece)] = _emit(value, cpu_offload)
+    if not keep:
+        return {}
     return {
-        key: full_params[id(value)] if id(value) in full_params else value.detach().clone()
+        key: full[id(value)] if id(value) in full else _emit(value.detach(), cpu_offload)
         for key, value in module.state_dict(keep_vars=True).items()
     }
+
+
+def _check_keys(expected: list[str], given: Mapping[str, Any], what: str) -> None:
+    missing = [k for k in expected if k not in given]
+    unexpected = [k for k in given if k not in set(expected)]
+    if missing or unexpected:
+        raise KeyError(f"{what} does not match the module: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+
+
+@torch.no_grad()
+def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:
+    """Load a full state dict (from ``full_state_dict`` or an unsharded ``state_dict()``, saved on any
+    number of ranks) into the shards. Every rank passes the whole state dict. Nothing is loaded unless
+    every key and shape matches."""
+    current = module.state_dict(keep_vars=True)
+    _check_keys(list(current), state_dict, "state_dict")
+    slots = {id(piece): (state, slot) for state, piece, slot in _pieces(module)}
+    for key, value in current.items():
+        want = slots[id(value)][1].shape if id(value) in slots else tuple(value.shape)
+        if tuple(state_dict[key].shape) != want:
+            raise ValueError(f"state_dict[{key!r}] has shape {tuple(state_dict[key].shape)}, the module's is {want}")
+    for key, value in current.items():
+        if id(value) in slots:
+            state, slot = slots[id(value)]
+            value.copy_(state.local_part(slot, state_dict[key]))
+        else:
+            value.copy_(state_dict[key])
+
+
+def _per_element_keys(optimizer: torch.optim.Optimizer, pieces: list[nn.Parameter]) -> list[str]:
+    """State entries shaped like their parameter (exp_avg, momentum_buffer, ...), in a rank-independent order."""
+    keys: set[str] = set()
+    for piece in pieces:
+        for key, value in optimizer.state.get(piece, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == piece.shape:
+                keys.add(key)
+    return sorted(keys)
+
+
+def _names(module: nn.Module) -> dict[int, str]:
+    return {id(p): name for name, p in module.named_parameters()}
+
+
+@torch.no_grad()
+def full_optimizer_state_dict(
+    module: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False, cpu_offload: bool = False
+) -> dict[str, Any]:
+    """The optimizer's state with full tensors keyed by parameter name: ``{"state": {name: {key: value}},
+    "param_groups": [{..., "params": [names]}]}``. A collective: call it on every rank."""
+    keep = not rank0_only or torch.distributed.get_rank() == 0
+    names = _names(module)
+    state_out: dict[str, dict[str, Any]] = {}
+    for unit in sharded_units(module):
+        pieces = [piece for piece, _, _, _ in unit.pieces]
+        for key in _per_element_keys(optimizer, pieces):
+            some = next(optimizer.state[p][key] for p in pieces if key in optimizer.state.get(p, {}))
+            local = some.new_zeros(unit.layout.shard_numel)
+            for piece, _, lo, hi in unit.pieces:
+                if key in optimizer.state.get(piece, {}):
+                    local[lo:hi] = optimizer.state[piece][key]
+            for (piece, _, _, _), value in zip(unit.pieces, unit.gather_full(local)):
+                if keep and piece in optimizer.state:
+                    state_out.setdefault(names[id(piece)], {})[key] = _emit(value, cpu_offload)
+        for piece in pieces:
+            for key, value in optimizer.state.get(piece, {}).items():
+                if keep and key not in state_out.get(names[id(piece)], {}):
+                    state_out.setdefault(names[id(piece)], {})[key] = (
+                        _emit(value, cpu_offload) if isinstance(value, torch.Tensor) else value
+                    )
+    if not keep:
+        return {}
+    groups = [
+        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
+        for group in optimizer.param_groups
+    ]
+    return {"state": state_out, "param_groups": groups}
+
+
+@torch.no_grad()
+def load_full_optimizer_state_dict(
+    module: nn.Module, optimizer: torch.optim.Optimizer, state_dict: Mapping[str, Any]
+) -> None:
+    """Load what ``full_optimizer_state_dict`` returned (on any number of ranks) into ``optimizer``, which
+    must have been built on ``module``'s sharded parameters with the same parameter groups."""
+    names = _names(module)
+    groups = optimizer.param_groups
+    given_groups = state_dict["param_groups"]
+    mine = [[names[id(p)] for p in g["params"]] for g in groups]
+    if mine != [list(g["params"]) for g in given_groups]:
+        raise ValueError("the optimizer's parameter groups (by name) differ from the saved ones; build it the same way")
+    slots = {id(piece): (unit, slot) for unit, piece, slot in _pieces(module)}
+    index = {names[id(p)]: i for i, p in enumerate(p for g in groups for p in g["params"])}
+    by_name = {names[id(p)]: p for g in groups for p in g["params"]}
+    local_state: dict[int, dict[str, Any]] = {}
+    for name, entries in state_dict["state"].items():
+        piece = by_name[name]
+        unit, slot = slots[id(piece)]
+        local_state[index[name]] = {
+            key: unit.local_part(slot, value).clone()
+            if isinstance(value, torch.Tensor) and tuple(value.shape) == slot.shape and value.dim() > 0
+            else value
+            for key, value in entries.items()
+        }
+    optimizer.load_state_dict(
+        {
+            "state": local_state,
+            "param_groups": [
+                {**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
+                for g in given_groups
+            ],
+        }
+    )

@@ -25,10 +25,12 @@ class MixedPrecision:
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, field)
-            if dtype is not None and (not isinstance(dtype, torch.dtype) or not dtype.is_floating_point):
+            if dtype is None:
+                continue
+            if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.itemsize < 2:
                 raise TypeError(
-                    f"MixedPrecision.{field} must be a floating-point torch.dtype such as torch.bfloat16 "
-                    f"or None, got {dtype!r}"
+                    f"MixedPrecision.{field} must be None or a floating-point dtype of at least 16 bits "
+                    f"(torch.bfloat16, torch.float16, torch.float32, torch.float64), got {dtype!r}"
                 )
 
 
