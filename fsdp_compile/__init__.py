@@ -5,7 +5,7 @@
 """
 
 from fsdp_compile._backend import backend
-from fsdp_compile._shard import shard, sharded_units
+from fsdp_compile._shard import set_requires_gradient_sync, shard, sharded_units
 from fsdp_compile._state_dict import (
     full_optimizer_state_dict,
     full_state_dict,
@@ -22,6 +22,7 @@ __all__ = [
     "full_state_dict",
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
+    "set_requires_gradient_sync",
     "shard",
     "sharded_units",
 ]

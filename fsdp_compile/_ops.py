@@ -1,13 +1,16 @@
 """The two ops the passes work with.
 
 * ``fsdp_compile::unshard`` — a marker, never executed: under ``torch.compile`` every read of a sharded
-  parameter becomes one call ``unshard(flat_shard, offset, numel, shape, dtype)``. The backend's
+  parameter becomes one call ``unshard(flat_shard, accum, offset, numel, shape, dtype)``. The backend's
   ``insert_collectives`` pass replaces all markers of one unit by ONE all-gather (``gather_unit``) and a
   view per parameter. A marker that survives means the graph was compiled by another backend.
-* ``gather_unit(shard, ...)`` — the unit's collective pair as one autograd function: forward casts the
-  flat shard to ``param_dtype`` and all-gathers it; backward casts the gradient to ``reduce_dtype``,
+* ``gather_unit(shard, accum, ...)`` — the unit's collective pair as one autograd function: forward casts
+  the flat shard to ``param_dtype`` and all-gathers it; backward casts the gradient to ``reduce_dtype``,
   reduce-scatters it with ``avg`` and casts back to the shard's dtype. Its body uses only
   ``_c10d_functional`` ops, so AOTAutograd traces it into the forward and backward graphs.
+  With ``accum`` (a full-size leaf tensor in ``reduce_dtype``; gradient sync switched off), backward does
+  no collective: the full gradient goes to ``accum`` and autograd accumulates it there across
+  micro-batches; ``shard`` gets none (see ``set_requires_gradient_sync``).
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ _c10d = torch.ops._c10d_functional
 
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
-def unshard(flat: torch.Tensor, offset: int, numel: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+def unshard(
+    flat: torch.Tensor, accum: torch.Tensor | None, offset: int, numel: int, shape: list[int], dtype: torch.dtype
+) -> torch.Tensor:
     raise RuntimeError(
         "a sharded parameter was read inside a graph that the fsdp_compile backend did not compile; "
         "compile the model with torch.compile(model, backend='fsdp_compile') (or fsdp_compile.backend(...))"
@@ -31,7 +36,9 @@ def unshard(flat: torch.Tensor, offset: int, numel: int, shape: list[int], dtype
 
 
 @unshard.register_fake
-def _(flat: torch.Tensor, offset: int, numel: int, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+def _(
+    flat: torch.Tensor, accum: torch.Tensor | None, offset: int, numel: int, shape: list[int], dtype: torch.dtype
+) -> torch.Tensor:
     return flat.new_empty(shape, dtype=dtype)
 
 
@@ -40,6 +47,7 @@ class _GatherUnit(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any,
         shard: torch.Tensor,
+        accum: torch.Tensor | None,
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         world_size: int,
@@ -49,22 +57,30 @@ class _GatherUnit(torch.autograd.Function):
         ctx.reduce_dtype = reduce_dtype
         ctx.world_size = world_size
         ctx.group_name = group_name
+        ctx.accumulate_unsharded = accum is not None
         gathered = _c10d.all_gather_into_tensor(shard.to(param_dtype), world_size, group_name)
         return _c10d.wait_tensor(gathered)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        reduced = _c10d.reduce_scatter_tensor(
-            grad.to(ctx.reduce_dtype).contiguous(), "avg", ctx.world_size, ctx.group_name
-        )
-        return _c10d.wait_tensor(reduced).to(ctx.shard_dtype), None, None, None, None
+        grad = grad.to(ctx.reduce_dtype)
+        if ctx.accumulate_unsharded:
+            return None, grad, None, None, None, None
+        reduced = _c10d.reduce_scatter_tensor(grad.contiguous(), "avg", ctx.world_size, ctx.group_name)
+        return _c10d.wait_tensor(reduced).to(ctx.shard_dtype), None, None, None, None, None
 
 
 def gather_unit(
-    shard: torch.Tensor, param_dtype: torch.dtype, reduce_dtype: torch.dtype, world_size: int, group_name: str
+    shard: torch.Tensor,
+    accum: torch.Tensor | None,
+    param_dtype: torch.dtype,
+    reduce_dtype: torch.dtype,
+    world_size: int,
+    group_name: str,
 ) -> torch.Tensor:
     """All-gather one unit's flat shard (cast to ``param_dtype``); gradients are averaged over the group in
-    ``reduce_dtype`` and reach ``shard`` in its own dtype. A group of one rank needs no collective."""
+    ``reduce_dtype`` and reach ``shard`` in its own dtype, or, with ``accum``, reach ``accum`` unreduced.
+    A group of one rank needs no collective."""
     if world_size == 1:
         return shard.to(param_dtype)
-    return _GatherUnit.apply(shard, param_dtype, reduce_dtype, world_size, group_name)
+    return _GatherUnit.apply(shard, accum, param_dtype, reduce_dtype, world_size, group_name)

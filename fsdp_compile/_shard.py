@@ -26,6 +26,7 @@ from typing import Any, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
@@ -33,7 +34,7 @@ from fsdp_compile._layout import ParamSlot, UnitLayout, plan_layout
 from fsdp_compile._ops import gather_unit, unshard
 from fsdp_compile.config import MixedPrecision
 
-__all__ = ["UnitState", "shard", "sharded_units", "unit_of_shard"]
+__all__ = ["UnitState", "set_requires_gradient_sync", "shard", "sharded_units", "unit_of_shard"]
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,50 @@ def _watch_optimizers() -> None:
         _optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer)
 
 
+class _SavedView:
+    """What autograd keeps, in eager mode, instead of a view of a gathered unit: where the view was. The
+    unit is gathered again when backward first needs it (reshard after forward)."""
+
+    __slots__ = ("__weakref__", "state", "offset", "shape", "stride", "release")
+
+    def __init__(self, state: UnitState, tensor: torch.Tensor) -> None:
+        self.state = state
+        self.offset = tensor.storage_offset()
+        self.shape = tuple(tensor.shape)
+        self.stride = tuple(tensor.stride())
+        state._pending += 1
+        # A view that is never unpacked (no backward) still releases the unit when autograd drops it.
+        self.release = weakref.finalize(self, state._release_regathered)
+
+
+_live_gathers: dict[int, UnitState] = {}
+"""Eager mode: storage address of each unit's gathered buffer while its forward runs -> the unit."""
+
+
+def _pack(tensor: torch.Tensor) -> torch.Tensor | _SavedView:
+    try:
+        state = _live_gathers.get(tensor.untyped_storage().data_ptr())
+    except (RuntimeError, NotImplementedError):  # tensors without a plain storage (subclasses, sparse)
+        return tensor
+    return _SavedView(state, tensor) if state is not None else tensor
+
+
+def _unpack(saved: torch.Tensor | _SavedView) -> torch.Tensor:
+    if isinstance(saved, torch.Tensor):
+        return saved
+    state = saved.state
+    if state._regathered is None:
+        with torch.no_grad():
+            state._regathered = state.gather()
+        counters["fsdp_compile"]["eager_regathers"] += 1
+    tensor = state._regathered.as_strided(saved.shape, saved.stride, saved.offset)
+    if saved.release.detach() is not None:
+        state._release_regathered()
+    elif state._pending == 0:  # unpacked again (retain_graph): do not keep the unit gathered
+        state._regathered = None
+    return tensor
+
+
 class UnitState:
     """One FSDP unit on this rank: its layout, flat shard, parameter pieces and collective settings."""
 
@@ -94,19 +139,28 @@ class UnitState:
         self.rank = dist.get_rank(group)
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
+        self.requires_gradient_sync = True
+        self.accum: torch.Tensor | None = None
+        """Gradient sync off: a full-size leaf in reduce_dtype whose .grad accumulates the unreduced gradient."""
         self.gathered: torch.Tensor | None = None
+        """Eager mode: the gathered unit while the unit's forward runs."""
+        self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
+        self._regathered: torch.Tensor | None = None
+        self._pending = 0
 
     def __repr__(self) -> str:
         return f"UnitState({self.layout.fqn or '<root>'!r}, params={len(self.layout.slots)}, shard={self.layout.shard_numel})"
 
     def gather(self) -> torch.Tensor:
         """All-gather the whole unit in eager mode (differentiable, like the compiled graphs)."""
-        return gather_unit(self.flat, self.param_dtype, self.reduce_dtype, self.world_size, self.group_name)
+        return gather_unit(
+            self.flat, self.accum, self.param_dtype, self.reduce_dtype, self.world_size, self.group_name
+        )
 
     def unshard_param(self, slot: ParamSlot) -> torch.Tensor:
         """The full parameter ``slot``: a marker op under compile, a view of the gathered unit in eager."""
         if torch.compiler.is_compiling():
-            return unshard(self.flat, slot.offset, slot.numel, list(slot.shape), self.param_dtype)
+            return unshard(self.flat, self.accum, slot.offset, slot.numel, list(slot.shape), self.param_dtype)
         gathered = self.gathered if self.gathered is not None else self.gather()
         return gathered[slot.offset : slot.offset + slot.numel].view(slot.shape)
 
@@ -127,11 +181,32 @@ class UnitState:
         start = self.rank * self.layout.shard_numel - slot.offset
         return full.reshape(-1)[start + lo : start + hi]
 
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        self.requires_gradient_sync = requires
+        if not requires and self.accum is None and self.world_size > 1:
+            # A stride-0 view of one element: a leaf of full shape that costs no memory until it has a grad.
+            zero = torch.zeros((), dtype=self.reduce_dtype, device=self.flat.device)
+            self.accum = zero.expand(self.layout.padded_numel).requires_grad_()
+            self.accum.register_post_accumulate_grad_hook(self._reduce_accumulated)
+
+    def _reduce_accumulated(self, accum: torch.Tensor) -> None:
+        """Post-accumulate hook of ``accum``: on the micro-batch that syncs, reduce-scatter once."""
+        if not self.requires_gradient_sync or accum.grad is None:
+            return
+        reduced = _c10d.reduce_scatter_tensor(accum.grad, "avg", self.world_size, self.group_name)
+        accum.grad = None
+        self.accum = None
+        counters["fsdp_compile"]["accumulated_reduce_scatters"] += 1
+        self._deliver(_c10d.wait_tensor(reduced).to(self.flat.dtype))
+
     def _distribute_grad(self, flat: torch.Tensor) -> None:
+        """Post-accumulate hook of the flat shard: hand each piece its slice, then clear ``flat.grad``."""
         grad = flat.grad
         flat.grad = None
-        if grad is None:
-            return
+        if grad is not None:
+            self._deliver(grad)
+
+    def _deliver(self, grad: torch.Tensor) -> None:
         for piece, _, lo, hi in self.pieces:
             if not piece.requires_grad:
                 continue
@@ -140,13 +215,27 @@ class UnitState:
             else:
                 piece.grad.add_(grad[lo:hi])
 
+    def _release_regathered(self) -> None:
+        self._pending -= 1
+        if self._pending == 0:
+            self._regathered = None
+
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if not torch.compiler.is_compiling():
-            self.gathered = self.gather()
+        if torch.compiler.is_compiling():
+            return
+        self.gathered = self.gather()
+        if self.world_size > 1:
+            _live_gathers[self.gathered.untyped_storage().data_ptr()] = self
+            self._hooks.append(torch.autograd.graph.saved_tensors_hooks(_pack, _unpack))
+            self._hooks[-1].__enter__()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not torch.compiler.is_compiling():
-            self.gathered = None
+        if torch.compiler.is_compiling() or self.gathered is None:
+            return
+        if self._hooks:
+            self._hooks.pop().__exit__(None, None, None)
+            del _live_gathers[self.gathered.untyped_storage().data_ptr()]
+        self.gathered = None
 
 
 def _param_property(name: str) -> property:
@@ -289,18 +378,18 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
 def _check_parameters(module: nn.Module, owners: dict[nn.Parameter, list[tuple[nn.Module, str, str]]]) -> None:
     if not owners:
         raise ValueError(f"{type(module).__name__} has no parameters to shard")
-    meta = [owned[0][2] for p, owned in owners.items() if p.is_meta]
-    if meta:
-        raise ValueError(
-            f"parameters on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): "
-            "materialize them before shard(), e.g. module.to_empty(device=...) and initialize the weights"
-        )
     devices: dict[torch.device, str] = {}
     for p, owned in owners.items():
         devices.setdefault(p.device, owned[0][2])
     if len(devices) > 1:
         found = ", ".join(f"{name!r} on {device}" for device, name in devices.items())
         raise ValueError(f"parameters on several devices ({found}): move the whole model to one device first")
+    meta = [owned[0][2] for p, owned in owners.items() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"parameters on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): "
+            "materialize them before shard(), e.g. module.to_empty(device=...) and initialize the weights"
+        )
 
 
 def _build_unit(
@@ -345,6 +434,26 @@ def _build_unit(
     )
     setattr(flat, _UNIT_ATTR, state)
     return state, params
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """Gradient accumulation without a reduce-scatter per micro-batch (trades memory for bandwidth).
+
+    With ``False``, each unit accumulates its full, unreduced gradient (in ``reduce_dtype``: one unit's
+    size per unit, on every rank) and backward runs no collective. Set it back to ``True`` before the
+    last micro-batch: that backward adds its gradient and reduce-scatters the sum ONCE per unit, then
+    the pieces' ``.grad`` hold the averaged gradient as usual. The compiled graphs are specialized on the
+    mode (one recompilation the first time it changes).
+
+        fsdp_compile.set_requires_gradient_sync(model, False)
+        for micro in batches[:-1]:
+            model(micro).backward()
+        fsdp_compile.set_requires_gradient_sync(model, True)
+        model(batches[-1]).backward()
+        optimizer.step()
+    """
+    for state in sharded_units(module):
+        state.set_requires_gradient_sync(requires_gradient_sync)
 
 
 def sharded_units(module: nn.Module) -> list[UnitState]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,7 +14,7 @@ import fsdp_compile
 from fsdp_compile._ops import gather_unit
 from fsdp_compile.debug import CapturedGraph, capture_graphs
 from fsdp_compile.passes.insert_collectives import is_marker
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
 
 N_UNITS = LLAMA_TINY.n_layers + 1  # one per block + the root (embedding tied with output, final norm)
 _c10d = torch.ops._c10d_functional
@@ -22,11 +24,14 @@ def _count(gm: fx.GraphModule, target: object) -> int:
     return sum(1 for n in gm.graph.nodes if n.target == target)
 
 
-def _graphs(compiler: str, mp: fsdp_compile.MixedPrecision) -> dict[str, fx.GraphModule]:
+def _graphs(
+    compiler: str, mp: fsdp_compile.MixedPrecision, cfg: LlamaConfig = LLAMA_TINY, gradient_sync: bool = True
+) -> dict[str, fx.GraphModule]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         torch.manual_seed(0)
-        model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], mp=mp)
+        model = fsdp_compile.shard(Llama(cfg), units=[Block], mp=mp)
+        fsdp_compile.set_requires_gradient_sync(model, gradient_sync)
         compiled = torch.compile(model, backend=fsdp_compile.backend(compiler=compiler), fullgraph=True)
         tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
         with capture_graphs() as graphs:
@@ -112,3 +117,20 @@ def test_collective_dtypes_follow_mixed_precision(
     assert _dtypes(graphs["backward"], _c10d.reduce_scatter_tensor.default) == {reduce_dtype}
     reduce_ops = {n.args[1] for n in graphs["backward"].graph.nodes if n.target == _c10d.reduce_scatter_tensor.default}
     assert reduce_ops == {"avg"}
+
+
+def test_activation_checkpointing_regathers_each_unit_once() -> None:
+    cfg = dataclasses.replace(LLAMA_TINY, checkpoint_blocks=True)
+    graphs = _graphs("aot_eager", fsdp_compile.MixedPrecision(), cfg)
+    assert _count(graphs["forward"], _c10d.all_gather_into_tensor.default) == N_UNITS
+    # The recomputed blocks and their gradients share one re-gather per unit.
+    assert _count(graphs["backward"], _c10d.all_gather_into_tensor.default) == N_UNITS
+    assert _count(graphs["backward"], _c10d.reduce_scatter_tensor.default) == N_UNITS
+    test_no_gathered_parameter_is_saved_for_backward(graphs)
+
+
+def test_without_gradient_sync_backward_has_no_reduce_scatter() -> None:
+    graphs = _graphs("aot_eager", fsdp_compile.MixedPrecision(), gradient_sync=False)
+    assert _count(graphs["backward"], _c10d.all_gather_into_tensor.default) == N_UNITS
+    assert _count(graphs["backward"], _c10d.reduce_scatter_tensor.default) == 0
+    test_no_gathered_parameter_is_saved_for_backward(graphs)

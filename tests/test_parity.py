@@ -1,23 +1,29 @@
-"""Layer 3: numerics on real ranks (gloo): fsdp_compile training == the unsharded single-process reference.
+"""Layer 3: numerics on real ranks (gloo; NCCL on GPUs): sharded training == the unsharded single-process
+reference.
 
 Each rank trains on its slice of the global batch; the reference (on every rank, in one process) trains
-on the whole global batch. After every step the loss and every full parameter must match.
+on the whole global batch. After every step the loss and every full parameter must match. The same
+check covers compiled and eager execution, graph breaks, gradient accumulation (with and without a
+reduce-scatter per micro-batch) and activation checkpointing.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
+from dataclasses import dataclass
+from typing import Literal
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 
 import fsdp_compile
 from fsdp_compile.testing.dist import spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 from fsdp_compile.testing.reference import reference_step, rel_error
 
-STEPS = 5
 BATCH_PER_RANK = 2
 SEQ = 8
 LR = 1e-3
@@ -26,6 +32,7 @@ LR = 1e-3
 TOLERANCES = {
     # Same dtype: only the reduction order differs (per-rank means averaged vs one global mean).
     ("cpu", "aot_eager", torch.float64, torch.float64): (1e-12, 1e-10),
+    ("cpu", "eager", torch.float64, torch.float64): (1e-12, 1e-10),
     ("cpu", "aot_eager", torch.float32, torch.float32): (1e-5, 1e-5),
     ("cpu", "inductor", torch.float32, torch.float32): (1e-5, 1e-5),
     # bf16 params, fp32 reduce, eager kernels: the same ops as the reference, so (near) bitwise.
@@ -40,6 +47,28 @@ TOLERANCES = {
 }
 
 
+class BreakingBlock(Block):
+    """A block with a forced graph break between its attention and its feed-forward."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        torch._dynamo.graph_break()
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+@dataclass(frozen=True)
+class Case:
+    compiler: Literal["inductor", "aot_eager", "eager"]  # "eager": the sharded module is not compiled
+    dtype: torch.dtype = torch.float32
+    param_dtype: torch.dtype = torch.float32
+    device: Literal["cpu", "cuda"] = "cpu"
+    steps: int = 5
+    micro_batches: int = 1
+    gradient_sync: bool = True  # False: no reduce-scatter on the micro-batches before the last
+    graph_break: bool = False  # a graph break inside every unit, compiled with fullgraph=False
+    checkpoint: bool = False  # torch.utils.checkpoint around every block
+
+
 def _param_groups(model: torch.nn.Module) -> list[dict]:
     """Weight decay except on norms, chosen by name: the sharded pieces must keep their names."""
     named = list(model.named_parameters())
@@ -49,34 +78,50 @@ def _param_groups(model: torch.nn.Module) -> list[dict]:
     ]
 
 
-def _train_and_compare(
-    rank: int, world_size: int, compiler: str, dtype: torch.dtype, param_dtype: torch.dtype, device: str = "cpu"
-) -> None:
-    loss_tol, param_tol = TOLERANCES[(device, compiler, dtype, param_dtype)]
+def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
+    loss_tol, param_tol = TOLERANCES[(case.device, case.compiler, case.dtype, case.param_dtype)]
+    device = f"cuda:{rank}" if case.device == "cuda" else "cpu"
     torch.manual_seed(0)
-    device = f"cuda:{rank}" if device == "cuda" else device
-    ref = Llama(LLAMA_TINY).to(device, dtype)
+    ref = Llama(dataclasses.replace(LLAMA_TINY, checkpoint_blocks=case.checkpoint)).to(device, case.dtype)
     model = copy.deepcopy(ref)
-    mp = fsdp_compile.MixedPrecision(param_dtype=param_dtype, reduce_dtype=dtype)
+    if case.graph_break:
+        for layer in model.layers:
+            layer.__class__ = BreakingBlock
+    mp = fsdp_compile.MixedPrecision(param_dtype=case.param_dtype, reduce_dtype=case.dtype)
     fsdp_compile.shard(model, units=[Block], mp=mp)
-    compiled = torch.compile(model, backend=fsdp_compile.backend(compiler=compiler), fullgraph=True)
+    if case.compiler == "eager":
+        run = model
+    else:
+        run = torch.compile(model, backend=fsdp_compile.backend(compiler=case.compiler), fullgraph=not case.graph_break)
     opt = torch.optim.AdamW(_param_groups(model), lr=LR)
     ref_opt = torch.optim.AdamW(_param_groups(ref), lr=LR)
-    for step in range(STEPS):
-        gen = torch.Generator().manual_seed(step)
-        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (world_size * BATCH_PER_RANK, SEQ + 1), generator=gen)
-        tokens = tokens.to(device)
-        local = tokens[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
-        loss = compiled(local[:, :-1], local[:, 1:])
-        loss.backward()
+    n_units = len(fsdp_compile.sharded_units(model))
+    counters.clear()
+    for step in range(case.steps):
+        losses, ref_losses = [], []
+        for micro in range(case.micro_batches):
+            gen = torch.Generator().manual_seed(100 * step + micro)
+            shape = (world_size * BATCH_PER_RANK, SEQ + 1)
+            tokens = torch.randint(0, LLAMA_TINY.vocab_size, shape, generator=gen).to(device)
+            local = tokens[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
+            last = micro == case.micro_batches - 1
+            fsdp_compile.set_requires_gradient_sync(model, case.gradient_sync or last)
+            loss = run(local[:, :-1], local[:, 1:])
+            loss.backward()
+            losses.append(loss.detach())
+            ref_losses.append(reference_step(ref, tokens, case.param_dtype, world_size))
         opt.step()
         opt.zero_grad()
-        ref_loss = reference_step(ref, tokens, param_dtype, world_size)
         ref_opt.step()
         ref_opt.zero_grad()
+        if not case.gradient_sync and world_size > 1:
+            assert counters["fsdp_compile"]["accumulated_reduce_scatters"] == n_units * (step + 1)
+        if case.graph_break:
+            assert sum(counters["graph_break"].values()) >= 1, "the test model did not break the graph"
 
-        global_loss = loss.detach().clone()
+        global_loss = torch.stack(losses).mean()
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+        ref_loss = torch.stack(ref_losses).mean()
         loss_err = rel_error(global_loss, ref_loss)
         assert loss_err <= loss_tol, (step, global_loss.item(), ref_loss.item())
         full = fsdp_compile.full_state_dict(model)
@@ -85,30 +130,59 @@ def _train_and_compare(
         errors = {k: rel_error(full[k], v) for k, v in expected.items()}
         worst = max(errors, key=errors.__getitem__)
         if rank == 0:
-            print(f"parity {compiler} {dtype}/{param_dtype} world {world_size} step {step}: loss {loss.item():.5f} "
-                  f"rel {loss_err:.1e}; worst param {worst} rel {errors[worst]:.1e}")
+            print(f"parity {case} world {world_size} step {step}: loss {global_loss.item():.5f} rel {loss_err:.1e}; "
+                  f"worst param {worst} rel {errors[worst]:.1e}")
         assert errors[worst] <= param_tol, f"step {step}: {worst} rel. error {errors[worst]:.2e} > {param_tol}"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_parity_aot_eager(world_size: int, dtype: torch.dtype) -> None:
-    spawn_ranks(_train_and_compare, world_size, "aot_eager", dtype, dtype)
+    spawn_ranks(_train_and_compare, world_size, Case("aot_eager", dtype, dtype))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_parity_fp32_inductor(world_size: int) -> None:
-    spawn_ranks(_train_and_compare, world_size, "inductor", torch.float32, torch.float32)
+    spawn_ranks(_train_and_compare, world_size, Case("inductor"))
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_parity_bf16_params_fp32_reduce(compiler: str) -> None:
-    spawn_ranks(_train_and_compare, 2, compiler, torch.float32, torch.bfloat16)
+    spawn_ranks(_train_and_compare, 2, Case(compiler, param_dtype=torch.bfloat16))
+
+
+def test_parity_eager_without_compile() -> None:
+    spawn_ranks(_train_and_compare, 2, Case("eager", torch.float64, torch.float64, steps=3))
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_parity_graph_break_inside_units(compiler: str) -> None:
+    spawn_ranks(_train_and_compare, 2, Case(compiler, steps=3, graph_break=True))
+
+
+@pytest.mark.parametrize("gradient_sync", [True, False], ids=["sync-each", "reduce-once"])
+def test_parity_gradient_accumulation(gradient_sync: bool) -> None:
+    case = Case("aot_eager", torch.float64, torch.float64, steps=3, micro_batches=3, gradient_sync=gradient_sync)
+    spawn_ranks(_train_and_compare, 2, case)
+
+
+@pytest.mark.slow
+def test_parity_gradient_accumulation_reduce_once_inductor() -> None:
+    spawn_ranks(_train_and_compare, 2, Case("inductor", steps=3, micro_batches=2, gradient_sync=False))
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_parity_activation_checkpointing(compiler: str) -> None:
+    spawn_ranks(_train_and_compare, 2, Case(compiler, steps=3, checkpoint=True))
+
+
+def test_parity_world_size_one() -> None:
+    spawn_ranks(_train_and_compare, 1, Case("aot_eager", torch.float64, torch.float64, steps=2))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
 @pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16-fp32reduce"])
 def test_parity_nccl_inductor(param_dtype: torch.dtype) -> None:
-    spawn_ranks(_train_and_compare, 2, "inductor", torch.float32, param_dtype, "cuda", backend="nccl")
+    spawn_ranks(_train_and_compare, 2, Case("inductor", param_dtype=param_dtype, device="cuda"), backend="nccl")

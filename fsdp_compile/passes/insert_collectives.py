@@ -9,10 +9,10 @@ checkpointed region is gathered inside the region, so its recomputation re-gathe
 
 Example (a unit with two parameters)::
 
-    w = fsdp_compile.unshard(flat_1, 0, 64, [8, 8], torch.float32)
-    b = fsdp_compile.unshard(flat_1, 64, 8, [8], torch.float32)
+    w = fsdp_compile.unshard(flat_1, None, 0, 64, [8, 8], torch.float32)
+    b = fsdp_compile.unshard(flat_1, None, 64, 8, [8], torch.float32)
   becomes
-    full = gather_unit(flat_1, torch.float32, torch.float32, 2, "0")
+    full = gather_unit(flat_1, None, torch.float32, torch.float32, 2, "0")
     w = torch.narrow(full, 0, 0, 64).view([8, 8])
     b = torch.narrow(full, 0, 64, 8).view([8])
 """
@@ -55,6 +55,8 @@ class UnitGather:
     graph: str
     """Dotted path of the (sub)graph holding the markers: "" for the Dynamo graph itself."""
     shard: str
+    accum: str | None
+    """Placeholder of the unit's unsharded gradient accumulator (gradient sync off), or None."""
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     world_size: int
@@ -73,6 +75,7 @@ class CollectivesPlan:
                     "unit": g.unit,
                     "graph": g.graph,
                     "shard": g.shard,
+                    "accum": g.accum,
                     "param_dtype": str(g.param_dtype),
                     "reduce_dtype": str(g.reduce_dtype),
                     "world_size": g.world_size,
@@ -91,6 +94,7 @@ def is_marker(node: fx.Node) -> bool:
 def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputs) -> CollectivesPlan:
     """One gather per unit and (sub)graph that reads it, in graph order."""
     views: dict[tuple[str, str], list[ParamView]] = {}
+    accums: dict[tuple[str, str], str | None] = {}
     for path, graph_module in iter_graphs(gm):
         for node in graph_module.graph.nodes:
             if not is_marker(node):
@@ -109,6 +113,9 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputs) -> Collectives
             state = unit_inputs.units[key]
             if kwargs["dtype"] != state.param_dtype:
                 raise AssertionError(f"{node.name}: marker dtype {kwargs['dtype']} != unit dtype {state.param_dtype}")
+            accum = kwargs["accum"].name if isinstance(kwargs["accum"], fx.Node) else None
+            if accums.setdefault(key, accum) != accum:
+                raise AssertionError(f"{node.name}: unit {state.layout.fqn!r} read with two gradient accumulators")
             view = ParamView(marker=node.name, offset=kwargs["offset"], numel=kwargs["numel"], shape=tuple(kwargs["shape"]))
             views.setdefault(key, []).append(view)
     gathers = []
@@ -119,6 +126,7 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputs) -> Collectives
                 unit=state.layout.fqn,
                 graph=path,
                 shard=shard_name,
+                accum=accums[(path, shard_name)],
                 param_dtype=state.param_dtype,
                 reduce_dtype=state.reduce_dtype,
                 world_size=state.world_size,
@@ -153,7 +161,14 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
                 graph,
                 "call_function",
                 gather_unit,
-                (nodes[gather.shard], gather.param_dtype, gather.reduce_dtype, gather.world_size, gather.group_name),
+                (
+                    nodes[gather.shard],
+                    nodes[gather.accum] if gather.accum else None,
+                    gather.param_dtype,
+                    gather.reduce_dtype,
+                    gather.world_size,
+                    gather.group_name,
+                ),
             )
             full.meta["fsdp_compile.unit"] = gather.unit
         for view, marker in zip(gather.views, markers):

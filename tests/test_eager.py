@@ -1,0 +1,39 @@
+"""Eager mode (no torch.compile): units are gathered by hooks and resharded after forward."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch._dynamo.utils import counters
+
+import fsdp_compile
+from fsdp_compile._shard import _live_gathers
+from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+
+
+def _reshard_after_forward(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    units = fsdp_compile.sharded_units(model)
+    gathered: list[weakref.ref[torch.Tensor]] = []
+    for unit in units:
+        module = model.get_submodule(unit.layout.fqn)
+        # Runs after shard()'s own pre-hook, which has gathered the unit.
+        module.register_forward_pre_hook(lambda m, a, unit=unit: gathered.append(weakref.ref(unit.gathered)))
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
+    counters.clear()
+    loss = model(tokens[:, :-1], tokens[:, 1:])
+    assert len(gathered) == len(units)
+    assert all(ref() is None for ref in gathered), "a gathered unit outlived its forward"
+    assert not _live_gathers and all(u.gathered is None for u in units)
+    loss.backward()
+    # Backward gathers each unit once more, for the parameters its gradients need, and lets it go.
+    assert counters["fsdp_compile"]["eager_regathers"] == len(units)
+    assert all(u._regathered is None and u._pending == 0 for u in units)
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_units_are_resharded_after_forward_and_regathered_once_in_backward() -> None:
+    spawn_ranks(_reshard_after_forward, 2)

@@ -1,0 +1,128 @@
+"""Bad input to shard() and friends: the exception type, a message that says what and how to fix, and the
+module left exactly as it was."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_compile
+from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+
+
+@pytest.fixture
+def pg() -> Iterator[None]:
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    yield
+    dist.destroy_process_group()
+
+
+def _snapshot(model: nn.Module) -> list[tuple]:
+    return [
+        (name, type(m), dict(m._parameters), len(m._forward_pre_hooks), len(m._forward_hooks), dict(vars(m)).keys())
+        for name, m in model.named_modules()
+    ]
+
+
+def _expect_unchanged(model: nn.Module, exc: type[Exception], match: str, **kwargs: object) -> None:
+    before = _snapshot(model)
+    values = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(exc, match=match):
+        fsdp_compile.shard(model, **kwargs)  # type: ignore[arg-type]
+    assert _snapshot(model) == before
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, values[k], rtol=0, atol=0)
+
+
+def test_units_that_match_nothing(pg: None) -> None:
+    _expect_unchanged(Llama(LLAMA_TINY), ValueError, r"units=\[<class .*GRU'>\] matched no submodule of Llama", units=[nn.GRU])
+
+
+def test_units_of_the_wrong_type(pg: None) -> None:
+    _expect_unchanged(Llama(LLAMA_TINY), TypeError, "units must be an iterable of nn.Module subclasses", units=["Block"])
+
+
+def test_already_sharded(pg: None) -> None:
+    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    _expect_unchanged(model, ValueError, "already sharded by fsdp_compile.shard", units=[Block])
+    _expect_unchanged(model.layers[0], ValueError, "already sharded", units=[nn.Linear])
+
+
+def test_parameters_on_the_meta_device(pg: None) -> None:
+    with torch.device("meta"):
+        model = Llama(LLAMA_TINY)
+    _expect_unchanged(model, ValueError, r"meta device \(tok_embeddings.weight.*to_empty", units=[Block])
+
+
+def test_parameters_on_several_devices(pg: None) -> None:
+    model = Llama(LLAMA_TINY)
+    model.norm.to("meta")
+    _expect_unchanged(model, ValueError, r"several devices \(.*'norm.weight' on meta.*move the whole model", units=[Block])
+
+
+def test_mixed_dtypes_in_one_unit(pg: None) -> None:
+    model = Llama(LLAMA_TINY)
+    model.layers[1].feed_forward.double()
+    _expect_unchanged(model, ValueError, r"unit 'layers.1' mixes parameter dtypes.*model.float\(\)", units=[Block])
+
+
+def test_no_process_group() -> None:
+    assert not dist.is_initialized()
+    _expect_unchanged(Llama(LLAMA_TINY), RuntimeError, "init_process_group\\(\\) first .* or pass group=", units=[Block])
+
+
+def test_group_of_the_wrong_type(pg: None) -> None:
+    _expect_unchanged(Llama(LLAMA_TINY), TypeError, "group must be a torch.distributed.ProcessGroup", units=[Block], group=2)
+
+
+def test_parameter_shared_between_units(pg: None) -> None:
+    model = Llama(LLAMA_TINY)
+    model.layers[2].attention.wq.weight = model.layers[0].attention.wq.weight
+    _expect_unchanged(
+        model,
+        ValueError,
+        r"'layers.0.attention.wq.weight' is shared by modules of different units \['layers.0', 'layers.2'\]",
+        units=[Block],
+    )
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"param_dtype": torch.int8}, "param_dtype must be None or a floating-point dtype"),
+        ({"reduce_dtype": torch.float8_e4m3fn}, "reduce_dtype must be None or a floating-point dtype of at least 16"),
+        ({"param_dtype": "bf16"}, "param_dtype .* got 'bf16'"),
+    ],
+)
+def test_mixed_precision_dtypes_that_make_no_sense(kwargs: dict, match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        fsdp_compile.MixedPrecision(**kwargs)
+
+
+def test_mp_of_the_wrong_type(pg: None) -> None:
+    _expect_unchanged(Llama(LLAMA_TINY), TypeError, "mp must be a fsdp_compile.MixedPrecision", units=[Block], mp=torch.bfloat16)
+
+
+def test_optimizer_built_before_shard_fails_on_its_first_step(pg: None) -> None:
+    model = Llama(LLAMA_TINY)
+    early = torch.optim.AdamW(model.parameters())
+    fsdp_compile.shard(model, units=[Block])
+    late = torch.optim.AdamW(model.parameters())
+    with pytest.raises(RuntimeError, match="holds parameter 'tok_embeddings.weight' as it was before .* build the optimizer after shard"):
+        early.step()
+    late.step()  # built after shard(): fine
+
+
+def test_unknown_backend_option() -> None:
+    with pytest.raises(TypeError, match="unexpected keyword argument 'prefetch_depth'"):
+        fsdp_compile.backend(prefetch_depth=2)
+
+
+def test_not_sharded() -> None:
+    with pytest.raises(ValueError, match="is not sharded: call fsdp_compile.shard"):
+        fsdp_compile.full_state_dict(Llama(LLAMA_TINY))
