@@ -201,7 +201,9 @@ def test_parity_gradient_accumulation(gradient_sync: bool) -> None:
 
 @pytest.mark.slow
 def test_parity_gradient_accumulation_reduce_once_inductor() -> None:
-    spawn_ranks(_train_and_compare, 2, Case("inductor", steps=3, micro_batches=2, gradient_sync=False))
+    # float64: summing micro-batches in another order is rounding that AdamW amplifies past 1e-5 in fp32.
+    case = Case("inductor", torch.float64, torch.float64, steps=3, micro_batches=2, gradient_sync=False)
+    spawn_ranks(_train_and_compare, 2, case)
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
