@@ -22,7 +22,7 @@ from torch._dynamo.utils import counters
 import fsdp_compile
 from fsdp_compile.testing.dist import spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
-from fsdp_compile.testing.reference import reference_step, rel_error
+from fsdp_compile.testing.reference import full_grads, reference_step, rel_error
 
 BATCH_PER_RANK = 2
 SEQ = 8
@@ -46,6 +46,12 @@ TOLERANCES = {
     ("cuda", "inductor", torch.float32, torch.float32): (1e-5, 1e-5),
     ("cuda", "inductor", torch.float32, torch.bfloat16): (1e-3, 3e-2),
 }
+
+
+# Gradients before the optimizer step: as tight as the loss, except bf16 compute (param_dtype), where
+# each op of the backward rounds to bf16 in eager but not inside Inductor's fused kernels; measured up to
+# 2.3e-2 (feed_forward.w3 of the tiny model, whose gradients are small) against the eager reference.
+GRAD_TOLERANCES = {torch.bfloat16: 5e-2}
 
 
 class HFCausalLM(torch.nn.Module):
@@ -111,6 +117,7 @@ def _param_groups(model: torch.nn.Module) -> list[dict]:
 
 def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
     loss_tol, param_tol = TOLERANCES[(case.device, case.compiler, case.dtype, case.param_dtype)]
+    grad_tol = GRAD_TOLERANCES.get(case.param_dtype, loss_tol)
     device = f"cuda:{rank}" if case.device == "cuda" else "cpu"
     torch.manual_seed(0)
     ref, unit_classes = _build(case)
@@ -142,6 +149,10 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
             loss.backward()
             losses.append(loss.detach())
             ref_losses.append(reference_step(ref, tokens, case.param_dtype, world_size))
+        grads = full_grads(model)
+        grad_errors = {n: rel_error(grads[n], p.grad) for n, p in ref.named_parameters()}
+        worst_grad = max(grad_errors, key=grad_errors.__getitem__)
+        assert grad_errors[worst_grad] <= grad_tol, f"step {step}: grad of {worst_grad} rel. error {grad_errors[worst_grad]:.2e}"
         opt.step()
         opt.zero_grad()
         ref_opt.step()
@@ -163,7 +174,7 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
         worst = max(errors, key=errors.__getitem__)
         if rank == 0:
             print(f"parity {case} world {world_size} step {step}: loss {global_loss.item():.5f} rel {loss_err:.1e}; "
-                  f"worst param {worst} rel {errors[worst]:.1e}")
+                  f"worst grad {worst_grad} rel {grad_errors[worst_grad]:.1e}; worst param {worst} rel {errors[worst]:.1e}")
         assert errors[worst] <= param_tol, f"step {step}: {worst} rel. error {errors[worst]:.2e} > {param_tol}"
 
 

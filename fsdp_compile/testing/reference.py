@@ -7,7 +7,9 @@ import copy
 import torch
 from torch import nn
 
-__all__ = ["reference_step", "rel_error"]
+from fsdp_compile._shard import sharded_units
+
+__all__ = ["full_grads", "reference_step", "rel_error"]
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -39,3 +41,16 @@ def reference_step(ref: nn.Module, tokens: torch.Tensor, param_dtype: torch.dtyp
             p.grad = grad if p.grad is None else p.grad + grad
         low.zero_grad()
     return torch.stack(losses).mean()
+
+
+def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The full gradient of every parameter of a sharded module, by its first name (a collective)."""
+    grads = {}
+    for state in sharded_units(module):
+        local = state.flat.new_zeros(state.layout.shard_numel)
+        for piece, _, lo, hi in state.pieces:
+            if piece.grad is not None:
+                local[lo:hi] = piece.grad
+        for slot, grad in zip(state.layout.slots, state.gather_full(local)):
+            grads[slot.names[0]] = grad
+    return grads
