@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark in one call (2 GPUs). Logs and JSON under $OUT; a short table last.
-#   OUT=/tmp/out bash benchmarks/gpu.sh
+#   OUT=/tmp/out bash benchmarks/gpu.sh                         # GPU tests + benchmark at 1024 and 4096 tokens/GPU
+#   OUT=/tmp/out TESTS=0 TOKENS="2048 8192" bash benchmarks/gpu.sh   # more sweep points only
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fsdp_compile_gpu}
+TOKENS=${TOKENS:-1024 4096}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 python3 -m pip install --no-deps --no-build-isolation -q -e . >"$OUT/install.log" 2>&1 \
   || { echo "pip install -e . failed (see install.log); using PYTHONPATH"; export PYTHONPATH=$PWD; }
-{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c \
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -c \
   "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"; } | tee "$OUT/env.log"
 
-python3 -m pytest -q -m gpu -p no:cacheprovider tests 2>&1 | tee "$OUT/pytest_gpu.log" | tail -n 15
-torchrun --nproc_per_node 2 benchmarks/compare_fsdp2.py --json "$OUT/compare_0.95b.json" "$@" \
-  >"$OUT/compare_0.95b.log" 2>&1; echo "compare_fsdp2 exit $?"
+if [ "${TESTS:-1}" = 1 ]; then
+  python3 -m pytest -q -m gpu -p no:cacheprovider tests >"$OUT/pytest_gpu.log" 2>&1
+fi
+tag=$(echo "$TOKENS" | tr ' ' '_')
+torchrun --nproc_per_node 2 benchmarks/train_bench.py --tokens $TOKENS --out "$OUT/bench_$tag.json" \
+  >"$OUT/bench_$tag.log" 2>&1; echo "train_bench exit $?"
 
 echo "== summary =="
-grep -E "passed|failed|skipped" "$OUT/pytest_gpu.log" | tail -n 1
-grep -E "^\||^#|^loss curves" "$OUT/compare_0.95b.log" || tail -n 40 "$OUT/compare_0.95b.log"
+[ -f "$OUT/pytest_gpu.log" ] && grep -E "passed|failed|skipped|error" "$OUT/pytest_gpu.log" | tail -n 3
+grep -E "^\||^## |^loss guard|^[0-9]+ tokens/GPU" "$OUT/bench_$tag.log" || tail -n 60 "$OUT/bench_$tag.log"

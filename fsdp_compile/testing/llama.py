@@ -28,8 +28,10 @@ class LlamaConfig:
 LLAMA_TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=48, max_seq_len=16)
 """4 units plus the root: parity tests on CPU."""
 
-LLAMA_0_95B = LlamaConfig(vocab_size=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, max_seq_len=2048)
-"""DESIGN.md's 0.95B configuration (51.4M parameters per block)."""
+LLAMA_0_95B = LlamaConfig(
+    vocab_size=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, max_seq_len=2048, tie_embeddings=False
+)
+"""DESIGN.md's 0.95B configuration: 16 blocks of 51.4M parameters, untied 65.5M embedding and output."""
 
 
 class RMSNorm(nn.Module):
