@@ -20,7 +20,8 @@ main weights, AdamW):
 
 Per point of the sweep (tokens per GPU = batch x seq; seq up to 2048): median step time over the steps after
 --warmup, tokens/s/GPU, MFU (6 x matmul params + 12 x layers x dim x seq FLOPs per token, over the card's
-dense bf16 peak), peak memory (``torch.cuda.max_memory_allocated`` over the measured steps), exposed
+dense bf16 peak), peak memory (``torch.cuda.max_memory_allocated`` over the measured steps, less what the
+previous system left allocated: none, unless ``leftover_after_gib`` in the JSON says otherwise), exposed
 communication (from a profiler trace of --profile-steps steps: time of NCCL kernels not overlapped by any
 other kernel), compile time (first step minus the median). Prints markdown tables of ratios vs FSDP2
 eager and vs the bound, a loss-agreement guard, and writes JSON (``--out``); ``benchmarks/plot.py`` turns
@@ -37,6 +38,7 @@ import os
 import statistics
 import tempfile
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -237,11 +239,22 @@ def _flops_per_token(cfg: LlamaConfig, seq: int) -> float:
     return 6 * matmul_params + 12 * cfg.n_layers * cfg.dim * seq
 
 
-def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namespace, device: torch.device) -> Result:
+def _release(device: torch.device) -> int:
+    """Drop compiled code and garbage from the previous system; the bytes still allocated after that."""
     torch._dynamo.reset()
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    return torch.cuda.memory_allocated(device)
+
+
+def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namespace, device: torch.device) -> Result:
+    resident = _release(device)
     torch.manual_seed(0)
     with device:
         model = Llama(cfg)
+    model_ref = weakref.ref(model)
     prepared = SYSTEMS[name](model, device)
     opt = torch.optim.AdamW(prepared.params, lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
     result = Result(system=name, tokens_per_gpu=batch * seq, batch=batch, seq=seq, losses=[], step_ms=[])
@@ -267,7 +280,7 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namesp
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
             result.losses.append(global_loss.item())
         if device.type == "cuda":
-            result.peak_gib = torch.cuda.max_memory_allocated(device) / 2**30
+            result.peak_gib = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
             if args.profile_steps:
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
                     for i in range(args.profile_steps):
@@ -282,10 +295,10 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namesp
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
     if peak:
         result.mfu = _flops_per_token(cfg, seq) * result.tokens_per_s_per_gpu / peak
-    del prepared, model, opt
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    del prepared, model, opt, step, loss
+    leftover = _release(device) - resident
+    result.extra.update(resident_before_gib=resident / 2**30, leftover_after_gib=leftover / 2**30,
+                        model_freed=model_ref() is None)
     return result
 
 
@@ -361,7 +374,8 @@ def main() -> None:
                 results.append(run(name, cfg, batch, seq, args, device))
                 if dist.get_rank() == 0:
                     r = results[-1]
-                    print(f"# {name} {batch}x{seq}: {r.median_step_ms:.1f} ms, losses {[round(x, 4) for x in r.losses]}", flush=True)
+                    print(f"# {name} {batch}x{seq}: {r.median_step_ms:.1f} ms, losses {[round(x, 4) for x in r.losses]}, "
+                          f"{r.extra}", flush=True)
     problems = check_losses(results)
     meta = {
         "model": args.model,

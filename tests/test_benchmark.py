@@ -27,6 +27,8 @@ def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]
     systems = {r["system"] for r in data["results"]}
     assert systems == {"no_comm_bound", "fsdp2_eager", "fsdp2_compile", "simplefsdp", "fsdp_compile"}
     assert all(len(r["losses"]) == 3 for r in data["results"])
+    # Each system is gone before the next one is measured (its memory would count in the next peak).
+    assert all(r["extra"]["model_freed"] for r in data["results"]), [r["system"] for r in data["results"]]
 
     pytest.importorskip("matplotlib")
     subprocess.run([sys.executable, "benchmarks/plot.py", out, "--out", str(tmp_path)], cwd=ROOT, check=True)
