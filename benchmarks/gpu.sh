@@ -14,12 +14,12 @@ python3 -m pip install --no-deps --no-build-isolation -q -e . >"$OUT/install.log
   "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"; } | tee "$OUT/env.log"
 
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -m gpu -p no:cacheprovider tests >"$OUT/pytest_gpu.log" 2>&1
+  python3 -m pytest -q -s -m gpu -p no:cacheprovider tests >"$OUT/pytest_gpu.log" 2>&1
 fi
 tag=$(echo "$TOKENS" | tr ' ' '_')
 torchrun --nproc_per_node 2 benchmarks/train_bench.py --tokens $TOKENS --out "$OUT/bench_$tag.json" \
   >"$OUT/bench_$tag.log" 2>&1; echo "train_bench exit $?"
 
 echo "== summary =="
-[ -f "$OUT/pytest_gpu.log" ] && grep -E "passed|failed|skipped|error" "$OUT/pytest_gpu.log" | tail -n 3
+[ -f "$OUT/pytest_gpu.log" ] && grep -E "^overlap o|passed|failed|skipped|rror" "$OUT/pytest_gpu.log" | tail -n 6
 grep -E "^\||^## |^loss guard|^[0-9]+ tokens/GPU" "$OUT/bench_$tag.log" || tail -n 60 "$OUT/bench_$tag.log"

@@ -55,6 +55,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import fsdp_compile
 from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_TINY, Block, Llama, LlamaConfig
+from fsdp_compile.testing.profile import communication_overlap
 
 MODELS = {"0.95b": LLAMA_0_95B, "tiny": LLAMA_TINY}
 PARAM_DTYPE, REDUCE_DTYPE = torch.bfloat16, torch.float32
@@ -63,6 +64,7 @@ PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}  # dense, per GPU
 
 FSDP_COMPILE_VARIANTS: dict[str, dict[str, Any]] = {
     "fsdp_compile": {},
+    "fsdp_compile_no_overlap": {"overlap": False},
 }
 """fsdp_compile variants: name -> ``fsdp_compile.backend(**options)``. Add one line per new variant."""
 
@@ -189,50 +191,6 @@ def _batch(cfg: LlamaConfig, batch: int, seq: int, step: int, device: torch.devi
     return torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen).to(device)
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def _length(intervals: list[tuple[float, float]]) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _intersect(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out, i, j = [], 0, 0
-    while i < len(xs) and j < len(ys):
-        start, end = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        if start < end:
-            out.append((start, end))
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return out
-
-
-def exposed_communication(trace_path: str, steps: int) -> tuple[float, float]:
-    """(communication ms, exposed communication ms) per step from a Chrome trace: NCCL kernels and
-    peer-to-peer copies are communication; exposed = communication time when no other kernel runs."""
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
-    comm, compute = [], []
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy"):
-            continue
-        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        is_comm = "nccl" in e["name"].lower() or "PtoP" in e["name"]
-        (comm if is_comm else compute).append(span)
-    comm_u = _union(comm)
-    exposed = _length(comm_u) - _length(_intersect(comm_u, _union(compute)))
-    return _length(comm_u) / 1e3 / steps, exposed / 1e3 / steps
-
-
 def _flops_per_token(cfg: LlamaConfig, seq: int) -> float:
     per_block = 4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
     matmul_params = cfg.n_layers * per_block + cfg.vocab_size * cfg.dim
@@ -288,7 +246,8 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namesp
                     _sync(device)
                 with tempfile.NamedTemporaryFile(suffix=".json") as trace:
                     prof.export_chrome_trace(trace.name)
-                    result.comm_ms, result.exposed_comm_ms = exposed_communication(trace.name, args.profile_steps)
+                    overlap = communication_overlap(trace.name, args.profile_steps)
+                result.comm_ms, result.exposed_comm_ms = overlap["comm"], overlap["exposed"]
     result.median_step_ms = statistics.median(result.step_ms[args.warmup :])
     result.compile_s = max(0.0, (result.step_ms[0] - result.median_step_ms) / 1e3)
     result.tokens_per_s_per_gpu = batch * seq / (result.median_step_ms / 1e3)

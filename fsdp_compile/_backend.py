@@ -1,8 +1,9 @@
 """The ``fsdp_compile`` torch.compile backend: the pass pipeline, then AOTAutograd and Inductor.
 
 Pipeline (see DESIGN.md): ``map_units`` -> ``insert_collectives`` on the Dynamo graph; AOTAutograd with
-``reshard_after_forward`` on the joint graph before partitioning; Inductor (or ``aot_eager``) compiles the
-forward and backward graphs.
+``reshard_after_forward`` on the joint graph before partitioning; ``schedule_overlap`` on the forward and
+backward graphs (Inductor's post-grad graphs, or the AOT graphs under ``aot_eager``); Inductor (or
+``aot_eager``) compiles them.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from fsdp_compile.config import BackendConfig
 from fsdp_compile.passes.insert_collectives import apply_collectives, plan_collectives
 from fsdp_compile.passes.map_units import plan_unit_inputs
 from fsdp_compile.passes.reshard_after_forward import ReshardAfterForward
+from fsdp_compile.passes.schedule_overlap import ScheduleOverlap
 
 __all__ = ["backend", "fsdp_compile_backend"]
 
@@ -39,13 +41,39 @@ def _artifact(name: str, payload: str) -> None:
     )
 
 
-def _recording_inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-    debug.record("backward" if kwargs.get("is_backward") else "forward", gm)
-    return compile_fx_inner(gm, example_inputs, **kwargs)
+def _schedule(config: BackendConfig) -> ScheduleOverlap | None:
+    if not config.overlap:
+        return None
+    return ScheduleOverlap(prefetch=config.prefetch, max_inflight_reduce_scatters=config.max_inflight_reduce_scatters)
 
 
-def _recording_eager(stage: debug.Stage) -> Callable[..., Any]:
+def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
+    """Inductor settings for the forward and backward compiles: our scheduling pass, and, when it runs,
+    no peak-memory reordering after it (that reordering would issue each all-gather at its use again)."""
+    schedule = _schedule(config)
+    if schedule is None:
+        return {"post_grad_custom_post_pass": None}
+    return {"post_grad_custom_post_pass": schedule, "reorder_for_peak_memory": False}
+
+
+def _inductor_inner_compile(config: BackendConfig) -> Callable[..., Any]:
+    """compile_fx_inner for both graphs (the backward one is compiled lazily, at the first backward, so
+    the scheduling pass is patched in here rather than around compile_fx)."""
+
+    def inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
+        debug.record("backward" if kwargs.get("is_backward") else "forward", gm)
+        with inductor_config.patch(_inductor_settings(config)):
+            return compile_fx_inner(gm, example_inputs, **kwargs)
+
+    return inner_compile
+
+
+def _eager_compiler(stage: debug.Stage, config: BackendConfig) -> Callable[..., Any]:
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+        schedule = _schedule(config)
+        if schedule is not None:
+            schedule(gm.graph)
+            gm.recompile()
         debug.record(stage, gm)
         return make_boxed_func(gm.forward)
 
@@ -68,13 +96,15 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *, config: Backe
     debug.record("dynamo", gm)
     if config.compiler == "aot_eager":
         return aot_autograd(
-            fw_compiler=_recording_eager("forward"),
-            bw_compiler=_recording_eager("backward"),
+            fw_compiler=_eager_compiler("forward", config),
+            bw_compiler=_eager_compiler("backward", config),
             partition_fn=_partition_resharded,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
-    with inductor_config.patch(joint_custom_pre_pass=ReshardAfterForward()):
-        return compile_fx(gm, example_inputs, inner_compile=_recording_inner_compile)
+    # The passes are also patched around compile_fx so that they are part of the cache keys (FX graph and
+    # AOTAutograd caches): a graph compiled with other options is never reused.
+    with inductor_config.patch(joint_custom_pre_pass=ReshardAfterForward(), **_inductor_settings(config)):
+        return compile_fx(gm, example_inputs, inner_compile=_inductor_inner_compile(config))
 
 
 def backend(**options: Any) -> Callable[..., Any]:

@@ -41,3 +41,25 @@ class BackendConfig:
     compiler: Literal["inductor", "aot_eager"] = "inductor"
     """What compiles the forward and backward graphs after the passes: Inductor (the default), or
     ``"aot_eager"``, which runs the same AOT graphs op by op (fast to build; for debugging and tests)."""
+
+    overlap: bool = True
+    """Run the ``schedule_overlap`` pass (prefetch all-gathers, sink waits, overlap reduce-scatters).
+    ``False`` keeps each collective where its result is first needed (for A/B measurements)."""
+
+    prefetch: int = 1
+    """How many units ahead an all-gather is issued (forward, and in reverse order in backward). Each unit
+    of prefetch keeps one more gathered unit alive."""
+
+    max_inflight_reduce_scatters: int = 2
+    """Reduce-scatters allowed in flight at once in backward; each holds its unit's gradient buffer (in
+    ``reduce_dtype``) until it is waited for."""
+
+    def __post_init__(self) -> None:
+        if self.compiler not in ("inductor", "aot_eager"):
+            raise ValueError(f"compiler must be 'inductor' or 'aot_eager', got {self.compiler!r}")
+        if not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise ValueError(f"prefetch must be an int >= 0 (units issued ahead), got {self.prefetch!r}")
+        if not isinstance(self.max_inflight_reduce_scatters, int) or self.max_inflight_reduce_scatters < 1:
+            raise ValueError(
+                f"max_inflight_reduce_scatters must be an int >= 1, got {self.max_inflight_reduce_scatters!r}"
+            )

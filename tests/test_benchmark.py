@@ -25,7 +25,7 @@ def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]
     with open(out) as f:
         data = json.load(f)
     systems = {r["system"] for r in data["results"]}
-    assert systems == {"no_comm_bound", "fsdp2_eager", "fsdp2_compile", "simplefsdp", "fsdp_compile"}
+    assert systems == {"no_comm_bound", "fsdp2_eager", "fsdp2_compile", "simplefsdp", "fsdp_compile", "fsdp_compile_no_overlap"}
     assert all(len(r["losses"]) == 3 for r in data["results"])
     # Each system is gone before the next one is measured (its memory would count in the next peak).
     assert all(r["extra"]["model_freed"] for r in data["results"]), [r["system"] for r in data["results"]]

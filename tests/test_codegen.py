@@ -1,7 +1,10 @@
-"""Layer 2: what Inductor generates (fake process group, one process): the collectives survive as
-one all-gather per unit in the forward code and one all-gather + one reduce-scatter per unit in backward."""
+"""Layer 2: what Inductor generates (fake process group, one process): one all-gather per unit in the
+forward code, one all-gather and one reduce-scatter per unit in backward, and the overlap schedule kept:
+each prefetched all-gather is issued, then the previous unit's matmuls run, then it is waited for."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -14,10 +17,12 @@ import fsdp_compile
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 N_UNITS = LLAMA_TINY.n_layers + 1
+AG = "torch.ops._c10d_functional.all_gather_into_tensor.default("
+RS = "torch.ops._c10d_functional.reduce_scatter_tensor.default("
 
 
-@pytest.fixture(scope="module")
-def code() -> list[str]:
+def _code(backend: object) -> list[str]:
+    torch._dynamo.reset()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         torch.manual_seed(0)
@@ -26,7 +31,7 @@ def code() -> list[str]:
             units=[Block],
             mp=fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         )
-        compiled = torch.compile(model, backend="fsdp_compile", fullgraph=True)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
         tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
         _, code = run_and_get_code(lambda: compiled(tokens, tokens).backward())
     finally:
@@ -34,18 +39,46 @@ def code() -> list[str]:
     return code
 
 
+@pytest.fixture(scope="module")
+def code() -> list[str]:
+    return _code("fsdp_compile")  # by name: the registered backend, default options (overlap on)
+
+
+def _overlapped_gathers(code: str) -> int:
+    """All-gathers (after the first) with a matmul between their launch and their wait."""
+    gathers = re.findall(r"(buf\d+) = torch\.ops\._c10d_functional\.all_gather_into_tensor\.default\(", code)
+    overlapped = 0
+    for buf in gathers[1:]:
+        try:
+            FileCheck().check(f"{buf} = {AG}").check("extern_kernels.mm(").check(f"wait_tensor.default({buf})").run(code)
+            overlapped += 1
+        except RuntimeError:
+            pass
+    return overlapped
+
+
 @pytest.mark.slow
-def test_forward_and_backward_code(code: list[str]) -> None:
+def test_collective_counts(code: list[str]) -> None:
     forward, backward = code
-    FileCheck().check_count("torch.ops._c10d_functional.all_gather_into_tensor.default(", N_UNITS, exactly=True).run(
-        forward
-    )
-    FileCheck().check_not("reduce_scatter_tensor").run(forward)
-    FileCheck().check_count("torch.ops._c10d_functional.all_gather_into_tensor.default(", N_UNITS, exactly=True).run(
-        backward
-    )
-    FileCheck().check_count(
-        "torch.ops._c10d_functional.reduce_scatter_tensor.default(", N_UNITS, exactly=True
-    ).run(backward)
-    # Each all-gather is waited on before its parameters are read.
-    FileCheck().check("all_gather_into_tensor").check("wait_tensor").check("extern_kernels.mm").run(forward)
+    FileCheck().check_count(AG, N_UNITS, exactly=True).check_not("reduce_scatter_tensor").run(forward)
+    FileCheck().check_count(AG, N_UNITS, exactly=True).run(backward)
+    FileCheck().check_count(RS, N_UNITS, exactly=True).run(backward)
+
+
+@pytest.mark.slow
+def test_inductor_keeps_the_overlap_schedule(code: list[str]) -> None:
+    forward, backward = code
+    # Every block's all-gather is in flight during the previous unit's matmuls; in forward, except the
+    # first block's: before it there is only the root's embedding (fused into the block's first kernel).
+    assert _overlapped_gathers(forward) == N_UNITS - 2
+    assert _overlapped_gathers(backward) == N_UNITS - 1
+    # Reduce-scatters: the first one's wait comes after the second one is issued.
+    scatters = re.findall(r"(buf\d+) = torch\.ops\._c10d_functional\.reduce_scatter_tensor\.default\(", backward)
+    FileCheck().check(f"{scatters[0]} = {RS}").check(f"{scatters[1]} = {RS}").check(f"wait_tensor.default({scatters[0]})").run(backward)
+
+
+@pytest.mark.slow
+def test_without_the_pass_no_all_gather_overlaps() -> None:
+    forward, backward = _code(fsdp_compile.backend(overlap=False))
+    assert _overlapped_gathers(forward) == 0
+    assert _overlapped_gathers(backward) == 0

@@ -27,6 +27,7 @@ def _count(gm: fx.GraphModule, target: object) -> int:
 def _graphs(
     compiler: str, mp: fsdp_compile.MixedPrecision, cfg: LlamaConfig = LLAMA_TINY, gradient_sync: bool = True
 ) -> dict[str, fx.GraphModule]:
+    torch._dynamo.reset()  # many compilations of Llama.forward in one process: stay under the recompile limit
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         torch.manual_seed(0)

@@ -104,6 +104,7 @@ class Case:
     graph_break: bool = False  # a graph break inside every unit, compiled with fullgraph=False
     checkpoint: bool = False  # torch.utils.checkpoint around every block
     model: Literal["llama", "gpt2"] = "llama"
+    overlap: bool = True  # the schedule_overlap pass
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:
@@ -131,7 +132,8 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
     if case.compiler == "eager":
         run = model
     else:
-        run = torch.compile(model, backend=fsdp_compile.backend(compiler=case.compiler), fullgraph=not case.graph_break)
+        backend = fsdp_compile.backend(compiler=case.compiler, overlap=case.overlap)
+        run = torch.compile(model, backend=backend, fullgraph=not case.graph_break)
     opt = torch.optim.AdamW(_param_groups(model), lr=LR)
     ref_opt = torch.optim.AdamW(_param_groups(ref), lr=LR)
     n_units = len(fsdp_compile.sharded_units(model))
@@ -188,6 +190,11 @@ def test_parity_aot_eager(world_size: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_parity_fp32_inductor(world_size: int) -> None:
     spawn_ranks(_train_and_compare, world_size, Case("inductor"))
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_parity_without_the_overlap_pass(compiler: str) -> None:
+    spawn_ranks(_train_and_compare, 2, Case(compiler, steps=3, overlap=False))
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])

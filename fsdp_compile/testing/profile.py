@@ -1,0 +1,54 @@
+"""Communication/compute overlap read off a profiler trace (Chrome trace JSON of CUDA kernels)."""
+
+from __future__ import annotations
+
+import json
+
+__all__ = ["communication_overlap"]
+
+Intervals = list[tuple[float, float]]
+
+
+def _union(intervals: Intervals) -> Intervals:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: Intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _intersect(xs: Intervals, ys: Intervals) -> Intervals:
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        start, end = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if start < end:
+            out.append((start, end))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out
+
+
+def communication_overlap(trace_path: str, steps: int = 1) -> dict[str, float]:
+    """Per step, in ms: ``comm`` (time any NCCL kernel or peer-to-peer copy runs), ``exposed`` (of that,
+    the time no other kernel runs) and ``overlapped`` (comm - exposed)."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    comm, compute = [], []
+    for e in events:
+        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy"):
+            continue
+        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        is_comm = "nccl" in e["name"].lower() or "PtoP" in e["name"]
+        (comm if is_comm else compute).append(span)
+    comm_u = _union(comm)
+    overlapped = _length(_intersect(comm_u, _union(compute)))
+    total = _length(comm_u)
+    return {"comm": total / 1e3 / steps, "exposed": (total - overlapped) / 1e3 / steps, "overlapped": overlapped / 1e3 / steps}

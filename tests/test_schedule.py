@@ -1,0 +1,130 @@
+"""schedule_overlap at graph level (CPU, fake process group, the AOT graphs under aot_eager)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_compile
+from fsdp_compile.debug import capture_graphs
+from fsdp_compile.passes.schedule_overlap import plan_overlap
+from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+
+N_UNITS = LLAMA_TINY.n_layers + 1
+_c10d = torch.ops._c10d_functional
+AG, RS, WAIT = _c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.wait_tensor.default
+MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+def _graphs(rank: int = 0, **options: object) -> dict[str, fx.GraphModule]:
+    torch._dynamo.reset()  # many compilations of Llama.forward in one process: stay under the recompile limit
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+        compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager", **options), fullgraph=True)
+        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
+        with capture_graphs() as graphs:
+            compiled(tokens, tokens).backward()
+    finally:
+        dist.destroy_process_group()
+    return {g.stage: g.gm for g in graphs if g.stage != "dynamo"}
+
+
+@pytest.fixture(scope="module")
+def scheduled() -> dict[str, fx.GraphModule]:
+    return _graphs()
+
+
+def _units(gm: fx.GraphModule) -> list[dict[str, int]]:
+    """Per all-gather, in the order the gathered units are first used: positions of the all-gather, of
+    its wait, and of the unit's first and last matmul (reached through views of the wait)."""
+    pos = {n: i for i, n in enumerate(gm.graph.nodes)}
+    units = []
+    for ag in (n for n in gm.graph.nodes if n.target == AG):
+        (wait,) = ag.users
+        frontier, mms = [wait], []
+        while frontier:
+            node = frontier.pop()
+            for user in node.users:
+                if user.target in MM:
+                    mms.append(pos[user])
+                elif isinstance(user.target, torch._ops.OpOverload) and user.target.is_view:
+                    frontier.append(user)
+        first_use = min(pos[u] for u in wait.users)
+        units.append({"ag": pos[ag], "wait": pos[wait], "first_use": first_use,
+                      "first_mm": min(mms, default=-1), "last_mm": max(mms, default=-1)})
+    return sorted(units, key=lambda u: u["first_use"])
+
+
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+def test_next_units_all_gather_is_issued_before_this_units_matmuls(scheduled: dict, stage: str) -> None:
+    units = _units(scheduled[stage])
+    assert len(units) == N_UNITS
+    for this, nxt in zip(units, units[1:]):
+        # This unit's compute starts at its first matmul; the root in forward starts with the embedding
+        # (no matmul) and comes back for the output projection at the very end.
+        start = this["first_mm"] if 0 <= this["first_mm"] < nxt["first_use"] else this["first_use"]
+        assert nxt["ag"] < start < nxt["wait"], (stage, this, nxt)
+    for unit in units:
+        assert unit["wait"] == unit["first_use"] - 1 or unit["wait"] < unit["first_use"]
+
+
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+def test_without_the_pass_each_all_gather_is_issued_at_its_use(stage: str) -> None:
+    units = _units(_graphs(overlap=False)[stage])
+    for this, nxt in zip(units, units[1:]):
+        start = this["first_mm"] if 0 <= this["first_mm"] < nxt["first_use"] else this["first_use"]
+        assert nxt["ag"] > start
+
+
+def test_reduce_scatter_waits_sink_with_a_bound_on_those_in_flight(scheduled: dict) -> None:
+    nodes = list(scheduled["backward"].graph.nodes)
+    pos = {n: i for i, n in enumerate(nodes)}
+    scatters = [n for n in nodes if n.target == RS]
+    assert len(scatters) == N_UNITS
+    waits = [next(iter(rs.users)) for rs in scatters]
+    for j, wait in enumerate(waits):
+        later = pos[scatters[j + 2]] if j + 2 < len(scatters) else len(nodes) - 1
+        assert pos[scatters[j]] < pos[wait] < later
+        assert all(pos[wait] > pos[rs] for rs in scatters[: j + 2] if rs in pos)  # waited after the next RS
+    inflight = max(sum(pos[rs] < p < pos[w] for rs, w in zip(scatters, waits)) for p in range(len(nodes)))
+    assert inflight <= 2
+
+
+def _order(gm: fx.GraphModule) -> list[str]:
+    return [str(n.target) for n in gm.graph.nodes]
+
+
+def test_order_is_identical_across_compilations_and_ranks(scheduled: dict) -> None:
+    again, rank1 = _graphs(), _graphs(rank=1)
+    for stage in ("forward", "backward"):
+        assert _order(again[stage]) == _order(scheduled[stage])
+        assert _order(rank1[stage]) == _order(scheduled[stage])
+
+
+def _max_alive(gm: fx.GraphModule) -> int:
+    """Most gathered units alive at once; a unit lives from its all-gather to its last matmul."""
+    units = _units(gm)
+    return max(sum(u["ag"] <= p <= max(u["last_mm"], u["wait"]) for u in units) for p in range(len(gm.graph.nodes)))
+
+
+@pytest.mark.parametrize("prefetch", [1, 2])
+def test_prefetch_keeps_at_most_prefetch_more_units_alive(prefetch: int) -> None:
+    baseline, graphs = _graphs(overlap=False), _graphs(prefetch=prefetch)
+    for stage, gm in graphs.items():
+        # Without prefetch: the unit being computed (and, in forward, the root, used again at the end).
+        assert _max_alive(gm) <= _max_alive(baseline[stage]) + prefetch, stage
+        plan = plan_overlap(gm.graph, prefetch=prefetch, max_inflight_reduce_scatters=2)
+        unit_bytes = max(n.meta["val"].numel() * n.meta["val"].element_size() for n in gm.graph.nodes if n.target == WAIT)
+        assert plan.extra_bytes >= prefetch * unit_bytes
+
+
+def test_bad_options() -> None:
+    with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
+        fsdp_compile.backend(prefetch=-1)
+    with pytest.raises(ValueError, match="max_inflight_reduce_scatters must be an int >= 1"):
+        fsdp_compile.backend(max_inflight_reduce_scatters=0)
