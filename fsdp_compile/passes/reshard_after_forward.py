@@ -81,4 +81,5 @@ class ReshardAfterForward(CustomGraphPass):
         apply_reshard(graph, plan_reshard(graph))
 
     def uuid(self) -> bytes:
-        return hashlib.sha256(open(__file__, "rb").read()).digest()
+        with open(__file__, "rb") as f:
+            return hashlib.sha256(f.read()).digest()
