@@ -13,7 +13,6 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import torch
 import torch.fx as fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._dynamo.utils import counters

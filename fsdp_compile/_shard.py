@@ -44,7 +44,9 @@ UnitSpec = Union[Iterable[type[nn.Module]], Callable[[str, nn.Module], bool]]
 
 _STATE_ATTR = "_fsdp_compile_units"
 _SLOTS_ATTR = "_fsdp_compile_slots"
-_UNIT_ATTR = "_fsdp_compile_unit"
+_units_by_shard: weakref.WeakValueDictionary[int, UnitState] = weakref.WeakValueDictionary()
+"""id(flat shard) -> its unit. Weak, like every reference from a tensor back to its unit: a cycle through a
+tensor's hooks is invisible to Python's garbage collector, and would keep a deleted model's shards alive."""
 _REPLACED_ATTR = "_fsdp_compile_replaced"  # on an original parameter that shard() replaced: its name
 
 _optimizer_hook: RemovableHandle | None = None
@@ -187,7 +189,7 @@ class UnitState:
             # A stride-0 view of one element: a leaf of full shape that costs no memory until it has a grad.
             zero = torch.zeros((), dtype=self.reduce_dtype, device=self.flat.device)
             self.accum = zero.expand(self.layout.padded_numel).requires_grad_()
-            self.accum.register_post_accumulate_grad_hook(self._reduce_accumulated)
+            self.accum.register_post_accumulate_grad_hook(_weak_hook(self._reduce_accumulated))
 
     def _reduce_accumulated(self, accum: torch.Tensor) -> None:
         """Post-accumulate hook of ``accum``: on the micro-batch that syncs, reduce-scatter once."""
@@ -236,6 +238,18 @@ class UnitState:
             self._hooks.pop().__exit__(None, None, None)
             del _live_gathers[self.gathered.untyped_storage().data_ptr()]
         self.gathered = None
+
+
+def _weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """A tensor hook that calls ``method`` without keeping its object alive (see ``_units_by_shard``)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(tensor: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(tensor)
+
+    return hook
 
 
 def _param_property(name: str) -> property:
@@ -353,7 +367,7 @@ def shard(
         unit_module = module.get_submodule(state.layout.fqn)
         unit_module.register_forward_pre_hook(state._pre_forward)
         unit_module.register_forward_hook(state._post_forward)
-        state.flat.register_post_accumulate_grad_hook(state._distribute_grad)
+        state.flat.register_post_accumulate_grad_hook(_weak_hook(state._distribute_grad))
     for sub in sharded_modules.values():
         sub.__class__ = _sharded_class(type(sub), tuple(sorted(getattr(sub, _SLOTS_ATTR))))
     states = [state for state, _ in built]
@@ -432,7 +446,7 @@ def _build_unit(
         param_dtype=param_dtype,
         reduce_dtype=mp.reduce_dtype or param_dtype,
     )
-    setattr(flat, _UNIT_ATTR, state)
+    _units_by_shard[id(flat)] = state
     return state, params
 
 
@@ -466,4 +480,5 @@ def sharded_units(module: nn.Module) -> list[UnitState]:
 
 def unit_of_shard(tensor: object) -> UnitState | None:
     """The unit whose flat shard ``tensor`` is, or None."""
-    return getattr(tensor, _UNIT_ATTR, None) if isinstance(tensor, torch.Tensor) else None
+    state = _units_by_shard.get(id(tensor))
+    return state if state is not None and state.flat is tensor else None

@@ -108,3 +108,22 @@ def test_backend_is_registered_by_name() -> None:
 
     assert "fsdp_compile" in list_backends(exclude_tags=())
     assert lookup_backend("fsdp_compile").__name__ == "fsdp_compile_backend"
+
+
+def test_a_deleted_model_frees_its_shards() -> None:
+    import gc
+    import weakref
+
+    _fake_rank(0, 2)
+    try:
+        model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+        shards = [weakref.ref(u.flat) for u in fsdp_compile.sharded_units(model)]
+        compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True)
+        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
+        compiled(tokens[:, :-1], tokens[:, 1:]).backward()
+        del model, compiled
+        torch._dynamo.reset()
+        gc.collect()
+        assert not any(ref() is not None for ref in shards), "a unit's shard outlived its model"
+    finally:
+        dist.destroy_process_group()
