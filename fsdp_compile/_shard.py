@@ -30,6 +30,7 @@ from torch._dynamo.utils import counters
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_compile._eager import live_gathers, pack, unpack
 from fsdp_compile._layout import ParamSlot, UnitLayout, plan_layout
 from fsdp_compile._ops import gather_unit, unshard
 from fsdp_compile.config import MixedPrecision
@@ -73,50 +74,6 @@ def _watch_optimizers() -> None:
     global _optimizer_hook
     if _optimizer_hook is None:
         _optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer)
-
-
-class _SavedView:
-    """What autograd keeps, in eager mode, instead of a view of a gathered unit: where the view was. The
-    unit is gathered again when backward first needs it (reshard after forward)."""
-
-    __slots__ = ("__weakref__", "state", "offset", "shape", "stride", "release")
-
-    def __init__(self, state: UnitState, tensor: torch.Tensor) -> None:
-        self.state = state
-        self.offset = tensor.storage_offset()
-        self.shape = tuple(tensor.shape)
-        self.stride = tuple(tensor.stride())
-        state._pending += 1
-        # A view that is never unpacked (no backward) still releases the unit when autograd drops it.
-        self.release = weakref.finalize(self, state._release_regathered)
-
-
-_live_gathers: dict[int, UnitState] = {}
-"""Eager mode: storage address of each unit's gathered buffer while its forward runs -> the unit."""
-
-
-def _pack(tensor: torch.Tensor) -> torch.Tensor | _SavedView:
-    try:
-        state = _live_gathers.get(tensor.untyped_storage().data_ptr())
-    except (RuntimeError, NotImplementedError):  # tensors without a plain storage (subclasses, sparse)
-        return tensor
-    return _SavedView(state, tensor) if state is not None else tensor
-
-
-def _unpack(saved: torch.Tensor | _SavedView) -> torch.Tensor:
-    if isinstance(saved, torch.Tensor):
-        return saved
-    state = saved.state
-    if state._regathered is None:
-        with torch.no_grad():
-            state._regathered = state.gather()
-        counters["fsdp_compile"]["eager_regathers"] += 1
-    tensor = state._regathered.as_strided(saved.shape, saved.stride, saved.offset)
-    if saved.release.detach() is not None:
-        state._release_regathered()
-    elif state._pending == 0:  # unpacked again (retain_graph): do not keep the unit gathered
-        state._regathered = None
-    return tensor
 
 
 class UnitState:
@@ -227,8 +184,8 @@ class UnitState:
             return
         self.gathered = self.gather()
         if self.world_size > 1:
-            _live_gathers[self.gathered.untyped_storage().data_ptr()] = self
-            self._hooks.append(torch.autograd.graph.saved_tensors_hooks(_pack, _unpack))
+            live_gathers[self.gathered.untyped_storage().data_ptr()] = self
+            self._hooks.append(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             self._hooks[-1].__enter__()
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -236,7 +193,7 @@ class UnitState:
             return
         if self._hooks:
             self._hooks.pop().__exit__(None, None, None)
-            del _live_gathers[self.gathered.untyped_storage().data_ptr()]
+            del live_gathers[self.gathered.untyped_storage().data_ptr()]
         self.gathered = None
 
 

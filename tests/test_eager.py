@@ -8,7 +8,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import fsdp_compile
-from fsdp_compile._shard import _live_gathers
+from fsdp_compile._eager import live_gathers
 from fsdp_compile.testing.dist import spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
@@ -27,7 +27,7 @@ def _reshard_after_forward(rank: int, world_size: int) -> None:
     loss = model(tokens[:, :-1], tokens[:, 1:])
     assert len(gathered) == len(units)
     assert all(ref() is None for ref in gathered), "a gathered unit outlived its forward"
-    assert not _live_gathers and all(u.gathered is None for u in units)
+    assert not live_gathers and all(u.gathered is None for u in units)
     loss.backward()
     # Backward gathers each unit once more, for the parameters its gradients need, and lets it go.
     assert counters["fsdp_compile"]["eager_regathers"] == len(units)
