@@ -27,6 +27,9 @@ def _run(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., 
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # Tear down together: a rank that destroys its group while a peer still talks to it can abort
+        # (seen once with gloo: "terminate called without an active exception").
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
