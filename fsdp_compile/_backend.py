@@ -51,13 +51,13 @@ def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
     no peak-memory reordering after it (that reordering would issue each all-gather at its use again)."""
     schedule = _schedule(config)
     if schedule is None:
-        return {"post_grad_custom_post_pass": None}
+        return {}
     return {"post_grad_custom_post_pass": schedule, "reorder_for_peak_memory": False}
 
 
 def _inductor_inner_compile(config: BackendConfig) -> Callable[..., Any]:
-    """compile_fx_inner for both graphs (the backward one is compiled lazily, at the first backward, so
-    the scheduling pass is patched in here rather than around compile_fx)."""
+    """compile_fx_inner for both graphs. The backward graph is compiled lazily, at the first backward,
+    outside ``_compile``'s settings, so they are patched in again here."""
 
     def inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         debug.record("backward" if kwargs.get("is_backward") else "forward", gm)
