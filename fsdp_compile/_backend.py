@@ -20,7 +20,6 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
-from torch._logging import trace_structured
 
 from fsdp_compile import debug
 from fsdp_compile.config import BackendConfig
@@ -32,12 +31,6 @@ from fsdp_compile.passes.schedule_overlap import ScheduleOverlap
 __all__ = ["backend", "fsdp_compile_backend"]
 
 log = logging.getLogger(__name__)
-
-
-def _artifact(name: str, payload: str) -> None:
-    trace_structured(
-        "artifact", metadata_fn=lambda: {"name": f"fsdp_compile_{name}", "encoding": "json"}, payload_fn=lambda: payload
-    )
 
 
 def _schedule(config: BackendConfig) -> ScheduleOverlap | None:
@@ -88,7 +81,7 @@ def _partition_resharded(joint: fx.GraphModule, joint_inputs: Sequence[Any], **k
 def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *, config: BackendConfig) -> Callable[..., Any]:
     unit_inputs = plan_unit_inputs(gm, example_inputs)
     plan = plan_collectives(gm, unit_inputs)
-    _artifact("collectives_plan", plan.to_json())
+    debug.artifact("collectives_plan", plan.to_json)
     apply_collectives(gm, plan)
     counters["fsdp_compile"]["all_gathers"] += len(plan.gathers)
     log.info("fsdp_compile: %d units gathered in a graph of %d nodes", len(plan.gathers), len(gm.graph.nodes))

@@ -20,9 +20,19 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops' autograd)
 
-__all__ = ["gather_unit", "unshard"]
+__all__ = ["all_gather", "gather_unit", "reduce_scatter_avg", "unshard"]
 
 _c10d = torch.ops._c10d_functional
+
+
+def all_gather(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    """Functional all-gather of a 1-D tensor along dim 0, waited for."""
+    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(tensor, world_size, group_name))
+
+
+def reduce_scatter_avg(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    """Functional reduce-scatter (average over the group) of a 1-D tensor along dim 0, waited for."""
+    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(tensor.contiguous(), "avg", world_size, group_name))
 
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
@@ -58,16 +68,15 @@ class _GatherUnit(torch.autograd.Function):
         ctx.world_size = world_size
         ctx.group_name = group_name
         ctx.accumulate_unsharded = accum is not None
-        gathered = _c10d.all_gather_into_tensor(shard.to(param_dtype), world_size, group_name)
-        return _c10d.wait_tensor(gathered)
+        return all_gather(shard.to(param_dtype), world_size, group_name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         grad = grad.to(ctx.reduce_dtype)
         if ctx.accumulate_unsharded:
             return None, grad, None, None, None, None
-        reduced = _c10d.reduce_scatter_tensor(grad.contiguous(), "avg", ctx.world_size, ctx.group_name)
-        return _c10d.wait_tensor(reduced).to(ctx.shard_dtype), None, None, None, None, None
+        reduced = reduce_scatter_avg(grad, ctx.world_size, ctx.group_name)
+        return reduced.to(ctx.shard_dtype), None, None, None, None, None
 
 
 def gather_unit(

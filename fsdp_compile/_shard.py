@@ -32,14 +32,12 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_compile._eager import live_gathers, pack, unpack
 from fsdp_compile._layout import ParamSlot, UnitLayout, plan_layout
-from fsdp_compile._ops import gather_unit, unshard
+from fsdp_compile._ops import all_gather, gather_unit, reduce_scatter_avg, unshard
 from fsdp_compile.config import MixedPrecision
 
 __all__ = ["UnitState", "set_requires_gradient_sync", "shard", "sharded_units", "unit_of_shard"]
 
 log = logging.getLogger(__name__)
-
-_c10d = torch.ops._c10d_functional
 
 UnitSpec = Union[Iterable[type[nn.Module]], Callable[[str, nn.Module], bool]]
 
@@ -127,12 +125,19 @@ class UnitState:
     def gather_full(self, local: torch.Tensor | None = None) -> list[torch.Tensor]:
         """All-gather a shard-shaped tensor (default: the flat shard itself) without autograd and return the
         full value of every parameter, in slot order. A collective: every rank calls it."""
-        local = self.flat if local is None else local
-        if self.world_size == 1:
-            full = local.detach()
-        else:
-            full = _c10d.wait_tensor(_c10d.all_gather_into_tensor(local.detach(), self.world_size, self.group_name))
+        local = (self.flat if local is None else local).detach()
+        full = local if self.world_size == 1 else all_gather(local, self.world_size, self.group_name)
         return [full[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots]
+
+    def gather_pieces(self, per_piece: Callable[[nn.Parameter], torch.Tensor | None], like: torch.Tensor) -> list[torch.Tensor]:
+        """``gather_full`` of a shard assembled from one tensor per piece (its gradient, an optimizer state,
+        ...; zeros where ``per_piece`` gives None), in ``like``'s dtype and device."""
+        local = like.new_zeros(self.layout.shard_numel)
+        for piece, _, lo, hi in self.pieces:
+            value = per_piece(piece)
+            if value is not None:
+                local[lo:hi] = value
+        return self.gather_full(local)
 
     def local_part(self, slot: ParamSlot, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full parameter-shaped tensor ``full`` (a 1-D view)."""
@@ -152,11 +157,11 @@ class UnitState:
         """Post-accumulate hook of ``accum``: on the micro-batch that syncs, reduce-scatter once."""
         if not self.requires_gradient_sync or accum.grad is None:
             return
-        reduced = _c10d.reduce_scatter_tensor(accum.grad, "avg", self.world_size, self.group_name)
+        reduced = reduce_scatter_avg(accum.grad, self.world_size, self.group_name)
         accum.grad = None
         self.accum = None
         counters["fsdp_compile"]["accumulated_reduce_scatters"] += 1
-        self._deliver(_c10d.wait_tensor(reduced).to(self.flat.dtype))
+        self._deliver(reduced.to(self.flat.dtype))
 
     def _distribute_grad(self, flat: torch.Tensor) -> None:
         """Post-accumulate hook of the flat shard: hand each piece its slice, then clear ``flat.grad``."""

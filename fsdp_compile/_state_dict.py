@@ -87,6 +87,11 @@ def _per_element_keys(optimizer: torch.optim.Optimizer, pieces: list[nn.Paramete
     return sorted(keys)
 
 
+def _with_params(group: Mapping[str, Any], params: list[Any]) -> dict[str, Any]:
+    """A parameter group's hyperparameters with its "params" replaced (names <-> optimizer indices)."""
+    return {**{k: v for k, v in group.items() if k != "params"}, "params": params}
+
+
 def _names(module: nn.Module) -> dict[int, str]:
     return {id(p): name for name, p in module.named_parameters()}
 
@@ -103,12 +108,9 @@ def full_optimizer_state_dict(
     for unit in sharded_units(module):
         pieces = [piece for piece, _, _, _ in unit.pieces]
         for key in _per_element_keys(optimizer, pieces):
-            some = next(optimizer.state[p][key] for p in pieces if key in optimizer.state.get(p, {}))
-            local = some.new_zeros(unit.layout.shard_numel)
-            for piece, _, lo, hi in unit.pieces:
-                if key in optimizer.state.get(piece, {}):
-                    local[lo:hi] = optimizer.state[piece][key]
-            for (piece, _, _, _), value in zip(unit.pieces, unit.gather_full(local)):
+            like = next(optimizer.state[p][key] for p in pieces if key in optimizer.state.get(p, {}))
+            values = unit.gather_pieces(lambda piece: optimizer.state.get(piece, {}).get(key), like)
+            for piece, value in zip(pieces, values):
                 if keep and piece in optimizer.state:
                     state_out.setdefault(names[id(piece)], {})[key] = _emit(value, cpu_offload)
         for piece in pieces:
@@ -119,10 +121,7 @@ def full_optimizer_state_dict(
                     )
     if not keep:
         return {}
-    groups = [
-        {**{k: v for k, v in group.items() if k != "params"}, "params": [names[id(p)] for p in group["params"]]}
-        for group in optimizer.param_groups
-    ]
+    groups = [_with_params(group, [names[id(p)] for p in group["params"]]) for group in optimizer.param_groups]
     return {"state": state_out, "param_groups": groups}
 
 
@@ -154,9 +153,6 @@ def load_full_optimizer_state_dict(
     optimizer.load_state_dict(
         {
             "state": local_state,
-            "param_groups": [
-                {**{k: v for k, v in g.items() if k != "params"}, "params": [index[n] for n in g["params"]]}
-                for g in given_groups
-            ],
+            "param_groups": [_with_params(g, [index[n] for n in g["params"]]) for g in given_groups],
         }
     )

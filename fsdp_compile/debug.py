@@ -11,14 +11,15 @@ the first backward call, so run it inside the ``with`` block.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Literal
 
 import torch.fx as fx
+from torch._logging import trace_structured
 
-__all__ = ["CapturedGraph", "capture_graphs"]
+__all__ = ["CapturedGraph", "artifact", "capture_graphs"]
 
 Stage = Literal["dynamo", "forward", "backward"]
 
@@ -45,3 +46,9 @@ def capture_graphs() -> Iterator[list[CapturedGraph]]:
 def record(stage: Stage, gm: fx.GraphModule) -> None:
     for graphs in _active:
         graphs.append(CapturedGraph(stage=stage, gm=gm))
+
+
+def artifact(name: str, payload: Callable[[], str]) -> None:
+    """A JSON plan as a structured artifact ``fsdp_compile_<name>`` (tlparse shows it under TORCH_TRACE);
+    ``payload`` runs only when structured tracing is on."""
+    trace_structured("artifact", metadata_fn=lambda: {"name": f"fsdp_compile_{name}", "encoding": "json"}, payload_fn=payload)

@@ -36,6 +36,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+from fsdp_compile.debug import artifact
+
 __all__ = ["OverlapPlan", "ScheduleOverlap", "apply_overlap", "plan_overlap"]
 
 log = logging.getLogger(__name__)
@@ -112,16 +114,15 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_reduce_scatters
     position = {n: i for i, n in enumerate(nodes)}
     (output,) = [n for n in nodes if n.op == "output"]
 
-    gathers = []  # (anchor position, ag, wait, moved chain)
+    gathers = []  # (anchor: first use of the gathered buffer, ag, wait, moved chain)
     for node in nodes:
         if node.target != _c10d.all_gather_into_tensor.default:
             continue
         wait, chain = _wait_of(node), _input_chain(node)
         if wait is None or chain is None or not wait.users:
             continue
-        anchor = min(wait.users, key=position.__getitem__)
-        gathers.append((position[anchor], node, wait, chain))
-    gathers.sort(key=lambda g: g[0])
+        gathers.append((min(wait.users, key=position.__getitem__), node, wait, chain))
+    gathers.sort(key=lambda g: position[g[0]])
 
     scatters = []  # (rs, tail)
     for node in nodes:
@@ -131,8 +132,7 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_reduce_scatters
     moved = {n for _, ag, wait, chain in gathers for n in (*chain, ag, wait)}
     moved |= {n for _, tail in scatters for n in tail}
     before: dict[fx.Node, list[fx.Node]] = {}  # node -> what to place right before it
-    for i, (_, ag, wait, chain) in enumerate(gathers):
-        anchor = min(wait.users, key=position.__getitem__)
+    for i, (anchor, ag, wait, chain) in enumerate(gathers):
         before.setdefault(anchor, []).append(wait)
         issue_before = gathers[max(i - prefetch, 0)][2]  # the wait of the unit `prefetch` units earlier
         before.setdefault(issue_before, []).extend([*chain, ag])
@@ -189,20 +189,14 @@ class ScheduleOverlap(CustomGraphPass):
     def __init__(self, *, prefetch: int, max_inflight_reduce_scatters: int) -> None:
         self.prefetch = prefetch
         self.max_inflight_reduce_scatters = max_inflight_reduce_scatters
-        self.last_plan: OverlapPlan | None = None
 
     def __call__(self, graph: fx.Graph) -> None:
         plan = plan_overlap(
             graph, prefetch=self.prefetch, max_inflight_reduce_scatters=self.max_inflight_reduce_scatters
         )
         apply_overlap(graph, plan)
-        self.last_plan = plan
-        torch._logging.trace_structured(
-            "artifact",
-            metadata_fn=lambda: {"name": "fsdp_compile_overlap_plan", "encoding": "json"},
-            payload_fn=plan.to_json,
-        )
-        log.info("schedule_overlap: %s", plan.to_json())
+        artifact("overlap_plan", plan.to_json)
+        log.info("schedule_overlap: %d all-gathers, %d reduce-scatters", len(plan.gathers), len(plan.reduce_scatters))
 
     def uuid(self) -> bytes:
         with open(__file__, "rb") as f:

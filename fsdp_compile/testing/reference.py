@@ -47,10 +47,6 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
     """The full gradient of every parameter of a sharded module, by its first name (a collective)."""
     grads = {}
     for state in sharded_units(module):
-        local = state.flat.new_zeros(state.layout.shard_numel)
-        for piece, _, lo, hi in state.pieces:
-            if piece.grad is not None:
-                local[lo:hi] = piece.grad
-        for slot, grad in zip(state.layout.slots, state.gather_full(local)):
+        for slot, grad in zip(state.layout.slots, state.gather_pieces(lambda piece: piece.grad, state.flat)):
             grads[slot.names[0]] = grad
     return grads
