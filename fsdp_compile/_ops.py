@@ -5,9 +5,12 @@
   ``insert_collectives`` pass replaces all markers of one unit by ONE all-gather (``gather_unit``) and a
   view per parameter. A marker that survives means the graph was compiled by another backend.
 * ``gather_unit(shard, accum, ...)`` — the unit's collective pair as one autograd function: forward casts
-  the flat shard to ``param_dtype`` and all-gathers it; backward casts the gradient to ``reduce_dtype``,
-  reduce-scatters it with ``avg`` and casts back to the shard's dtype. Its body uses only
-  ``_c10d_functional`` ops, so AOTAutograd traces it into the forward and backward graphs.
+  the flat shard to ``param_dtype`` and all-gathers it; backward averages the gradient over the group in
+  ``reduce_dtype`` and casts it back to the shard's dtype. The average is a reduce-scatter in
+  ``reduce_dtype``, or, with ``exchange`` (``reduce_dtype`` wider than the gradient's ``param_dtype``), an
+  all-to-all of the gradient in ``param_dtype`` followed by a local sum in ``reduce_dtype``: the same sums
+  at a fraction of the bytes. Its body uses only ``_c10d_functional`` ops, so AOTAutograd traces it into
+  the forward and backward graphs.
   With ``accum`` (a full-size leaf tensor in ``reduce_dtype``; gradient sync switched off), backward does
   no collective: the full gradient goes to ``accum`` and autograd accumulates it there across
   micro-batches; ``shard`` gets none (see ``set_requires_gradient_sync``).
@@ -20,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops' autograd)
 
-__all__ = ["all_gather", "gather_unit", "reduce_scatter_avg", "unshard"]
+__all__ = ["all_gather", "exchange_avg", "gather_unit", "reduce_scatter_avg", "unshard"]
 
 _c10d = torch.ops._c10d_functional
 
@@ -33,6 +36,17 @@ def all_gather(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.
 def reduce_scatter_avg(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     """Functional reduce-scatter (average over the group) of a 1-D tensor along dim 0, waited for."""
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(tensor.contiguous(), "avg", world_size, group_name))
+
+
+def exchange_avg(tensor: torch.Tensor, reduce_dtype: torch.dtype, world_size: int, group_name: str) -> torch.Tensor:
+    """What ``reduce_scatter_avg(tensor.to(reduce_dtype))`` computes, with ``tensor`` sent in its own dtype:
+    every rank sends each other rank that rank's part of ``tensor`` (all-to-all), then averages the parts it
+    received in ``reduce_dtype`` (each part divided by the world size, then summed in rank order). Bitwise
+    equal for 2 ranks; for more, NCCL's ring may sum in another order (rounding of ``reduce_dtype`` only)."""
+    part = tensor.numel() // world_size
+    splits = [part] * world_size
+    parts = _c10d.wait_tensor(_c10d.all_to_all_single(tensor.contiguous(), splits, splits, group_name))
+    return (parts.view(world_size, part).to(reduce_dtype) / world_size).sum(0)  # NCCL's avg: scale, then sum
 
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
@@ -60,11 +74,13 @@ class _GatherUnit(torch.autograd.Function):
         accum: torch.Tensor | None,
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
+        exchange: bool,
         world_size: int,
         group_name: str,
     ) -> torch.Tensor:
         ctx.shard_dtype = shard.dtype
         ctx.reduce_dtype = reduce_dtype
+        ctx.exchange = exchange
         ctx.world_size = world_size
         ctx.group_name = group_name
         ctx.accumulate_unsharded = accum is not None
@@ -72,11 +88,13 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        grad = grad.to(ctx.reduce_dtype)
         if ctx.accumulate_unsharded:
-            return None, grad, None, None, None, None
-        reduced = reduce_scatter_avg(grad, ctx.world_size, ctx.group_name)
-        return reduced.to(ctx.shard_dtype), None, None, None, None, None
+            return None, grad.to(ctx.reduce_dtype), None, None, None, None, None
+        if ctx.exchange:
+            reduced = exchange_avg(grad, ctx.reduce_dtype, ctx.world_size, ctx.group_name)
+        else:
+            reduced = reduce_scatter_avg(grad.to(ctx.reduce_dtype), ctx.world_size, ctx.group_name)
+        return reduced.to(ctx.shard_dtype), None, None, None, None, None, None
 
 
 def gather_unit(
@@ -84,12 +102,13 @@ def gather_unit(
     accum: torch.Tensor | None,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
+    exchange: bool,
     world_size: int,
     group_name: str,
 ) -> torch.Tensor:
     """All-gather one unit's flat shard (cast to ``param_dtype``); gradients are averaged over the group in
-    ``reduce_dtype`` and reach ``shard`` in its own dtype, or, with ``accum``, reach ``accum`` unreduced.
-    A group of one rank needs no collective."""
+    ``reduce_dtype`` (sent in ``param_dtype`` with ``exchange``) and reach ``shard`` in its own dtype, or,
+    with ``accum``, reach ``accum`` unreduced. A group of one rank needs no collective."""
     if world_size == 1:
         return shard.to(param_dtype)
-    return _GatherUnit.apply(shard, accum, param_dtype, reduce_dtype, world_size, group_name)
+    return _GatherUnit.apply(shard, accum, param_dtype, reduce_dtype, exchange, world_size, group_name)

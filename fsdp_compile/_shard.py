@@ -86,6 +86,7 @@ class UnitState:
         group: dist.ProcessGroup,
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
+        exchange: bool,
     ) -> None:
         self.layout = layout
         self.flat = flat
@@ -96,6 +97,8 @@ class UnitState:
         self.rank = dist.get_rank(group)
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
+        self.exchange = exchange
+        """Gradients travel in ``param_dtype`` and are averaged in ``reduce_dtype`` (see MixedPrecision)."""
         self.requires_gradient_sync = True
         self.accum: torch.Tensor | None = None
         """Gradient sync off: a full-size leaf in reduce_dtype whose .grad accumulates the unreduced gradient."""
@@ -111,7 +114,7 @@ class UnitState:
     def gather(self) -> torch.Tensor:
         """All-gather the whole unit in eager mode (differentiable, like the compiled graphs)."""
         return gather_unit(
-            self.flat, self.accum, self.param_dtype, self.reduce_dtype, self.world_size, self.group_name
+            self.flat, self.accum, self.param_dtype, self.reduce_dtype, self.exchange, self.world_size, self.group_name
         )
 
     def unshard_param(self, slot: ParamSlot) -> torch.Tensor:
@@ -400,13 +403,15 @@ def _build_unit(
         piece = nn.Parameter(flat.detach()[lo:hi], requires_grad=param.requires_grad)
         pieces.append((piece, slot, lo, hi))
     param_dtype = mp.param_dtype or dtype
+    reduce_dtype = mp.reduce_dtype or param_dtype
     state = UnitState(
         layout=layout,
         flat=flat,
         pieces=pieces,
         group=group,
         param_dtype=param_dtype,
-        reduce_dtype=mp.reduce_dtype or param_dtype,
+        reduce_dtype=reduce_dtype,
+        exchange=mp.exchange_grads_in_param_dtype and reduce_dtype.itemsize > param_dtype.itemsize,
     )
     _units_by_shard[id(flat)] = state
     return state, params

@@ -19,10 +19,23 @@ class MixedPrecision:
     it. ``None``: the shard's own dtype (no cast)."""
 
     reduce_dtype: torch.dtype | None = None
-    """Dtype of the backward reduce-scatter. ``None``: ``param_dtype`` (or the shard's dtype when that is
-    ``None`` too). The reduced gradient is cast back to the shard's dtype before it reaches the optimizer."""
+    """Dtype the gradients are averaged over the ranks in. ``None``: ``param_dtype`` (or the shard's dtype
+    when that is ``None`` too). The reduced gradient is cast back to the shard's dtype before it reaches the
+    optimizer."""
+
+    exchange_grads_in_param_dtype: bool = True
+    """When ``reduce_dtype`` is wider than ``param_dtype`` (e.g. bf16 compute, fp32 reduce): the backward
+    computes the gradients in ``param_dtype``, so they are exchanged as they are (an all-to-all: each rank
+    receives every rank's part of its shard) and summed in ``reduce_dtype`` by the receiver. The sums are
+    those of a reduce-scatter in ``reduce_dtype`` (bitwise for 2 ranks; summation order may differ for more)
+    at half the bytes for bf16/fp32. ``False``: cast to ``reduce_dtype`` and reduce-scatter (FSDP2's way;
+    prefer it across many nodes, where NCCL's ring reduce-scatter scales better than an all-to-all)."""
 
     def __post_init__(self) -> None:
+        if not isinstance(self.exchange_grads_in_param_dtype, bool):
+            raise TypeError(
+                f"MixedPrecision.exchange_grads_in_param_dtype must be a bool, got {self.exchange_grads_in_param_dtype!r}"
+            )
         for field in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, field)
             if dtype is None:

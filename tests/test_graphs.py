@@ -18,6 +18,7 @@ from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
 
 N_UNITS = LLAMA_TINY.n_layers + 1  # one per block + the root (embedding tied with output, final norm)
 _c10d = torch.ops._c10d_functional
+RS, A2A = _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default
 
 
 def _count(gm: fx.GraphModule, target: object) -> int:
@@ -44,24 +45,39 @@ def _graphs(
     return {stage: g.gm for stage, g in by_stage.items()}
 
 
-# (param_dtype, reduce_dtype) as given -> (all-gather dtype, reduce-scatter dtype) expected.
-MIXED_PRECISION = {
-    "fp32": ((None, None), (torch.float32, torch.float32)),
-    "bf16-fp32reduce": ((torch.bfloat16, torch.float32), (torch.bfloat16, torch.float32)),
-    "bf16": ((torch.bfloat16, None), (torch.bfloat16, torch.bfloat16)),
+Expected = tuple[torch.dtype, object, torch.dtype]
+# MixedPrecision as given -> (all-gather dtype, gradient reduction op, dtype it sends) expected.
+MIXED_PRECISION: dict[str, tuple[fsdp_compile.MixedPrecision, Expected]] = {
+    "fp32": (fsdp_compile.MixedPrecision(), (torch.float32, RS, torch.float32)),
+    # bf16 gradients, fp32 sums: exchanged in bf16 (all-to-all), summed in fp32 by the receiver.
+    "bf16-fp32reduce": (
+        fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        (torch.bfloat16, A2A, torch.bfloat16),
+    ),
+    "bf16-fp32reduce-scatter": (
+        fsdp_compile.MixedPrecision(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32, exchange_grads_in_param_dtype=False
+        ),
+        (torch.bfloat16, RS, torch.float32),
+    ),
+    "bf16": (fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16), (torch.bfloat16, RS, torch.bfloat16)),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(MIXED_PRECISION))
-def case(request: pytest.FixtureRequest) -> tuple[dict[str, fx.GraphModule], tuple[torch.dtype, torch.dtype]]:
-    (param_dtype, reduce_dtype), expected = MIXED_PRECISION[request.param]
-    mp = fsdp_compile.MixedPrecision(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+def case(request: pytest.FixtureRequest) -> tuple[dict[str, fx.GraphModule], Expected]:
+    mp, expected = MIXED_PRECISION[request.param]
     return _graphs("aot_eager", mp), expected
 
 
 @pytest.fixture
-def graphs(case: tuple[dict[str, fx.GraphModule], tuple[torch.dtype, torch.dtype]]) -> dict[str, fx.GraphModule]:
+def graphs(case: tuple[dict[str, fx.GraphModule], Expected]) -> dict[str, fx.GraphModule]:
     return case[0]
+
+
+def _reductions(gm: fx.GraphModule) -> list[fx.Node]:
+    """The gradient reductions: reduce-scatters and all-to-alls."""
+    return [n for n in gm.graph.nodes if n.target in (RS, A2A)]
 
 
 def test_dynamo_graph_has_one_gather_per_unit_and_no_marker(graphs: dict[str, fx.GraphModule]) -> None:
@@ -73,13 +89,13 @@ def test_dynamo_graph_has_one_gather_per_unit_and_no_marker(graphs: dict[str, fx
 def test_forward_has_one_all_gather_per_unit(graphs: dict[str, fx.GraphModule]) -> None:
     fwd = graphs["forward"]
     assert _count(fwd, _c10d.all_gather_into_tensor.default) == N_UNITS
-    assert _count(fwd, _c10d.reduce_scatter_tensor.default) == 0
+    assert not _reductions(fwd)
 
 
-def test_backward_regathers_and_reduce_scatters_once_per_unit(graphs: dict[str, fx.GraphModule]) -> None:
+def test_backward_regathers_and_reduces_once_per_unit(graphs: dict[str, fx.GraphModule]) -> None:
     bwd = graphs["backward"]
     assert _count(bwd, _c10d.all_gather_into_tensor.default) == N_UNITS
-    assert _count(bwd, _c10d.reduce_scatter_tensor.default) == N_UNITS
+    assert len(_reductions(bwd)) == N_UNITS
 
 
 def _gathered_aliases(gm: fx.GraphModule) -> set[fx.Node]:
@@ -109,15 +125,22 @@ def _dtypes(gm: fx.GraphModule, target: object) -> set[torch.dtype]:
     return {n.meta["val"].dtype for n in gm.graph.nodes if n.target == target}
 
 
-def test_collective_dtypes_follow_mixed_precision(
-    case: tuple[dict[str, fx.GraphModule], tuple[torch.dtype, torch.dtype]],
-) -> None:
-    graphs, (gather_dtype, reduce_dtype) = case
+def test_collective_dtypes_follow_mixed_precision(case: tuple[dict[str, fx.GraphModule], Expected]) -> None:
+    graphs, (gather_dtype, reduction, wire_dtype) = case
     assert _dtypes(graphs["forward"], _c10d.all_gather_into_tensor.default) == {gather_dtype}
     assert _dtypes(graphs["backward"], _c10d.all_gather_into_tensor.default) == {gather_dtype}
-    assert _dtypes(graphs["backward"], _c10d.reduce_scatter_tensor.default) == {reduce_dtype}
-    reduce_ops = {n.args[1] for n in graphs["backward"].graph.nodes if n.target == _c10d.reduce_scatter_tensor.default}
-    assert reduce_ops == {"avg"}
+    reductions = _reductions(graphs["backward"])
+    assert {n.target for n in reductions} == {reduction}
+    assert {n.meta["val"].dtype for n in reductions} == {wire_dtype}
+    if reduction == RS:
+        assert {n.args[1] for n in reductions} == {"avg"}
+    else:  # the receiver sums the exchanged parts in reduce_dtype (fp32)
+        for a2a in reductions:
+            chain = [a2a]
+            while chain[-1].target != torch.ops.aten.sum.dim_IntList:
+                (user,) = chain[-1].users  # wait, view, cast to fp32, divide by the world size, sum
+                chain.append(user)
+            assert [n.meta["val"].dtype for n in chain[-3:]] == [torch.float32] * 3, chain
 
 
 def test_activation_checkpointing_regathers_each_unit_once() -> None:
@@ -126,12 +149,12 @@ def test_activation_checkpointing_regathers_each_unit_once() -> None:
     assert _count(graphs["forward"], _c10d.all_gather_into_tensor.default) == N_UNITS
     # The recomputed blocks and their gradients share one re-gather per unit.
     assert _count(graphs["backward"], _c10d.all_gather_into_tensor.default) == N_UNITS
-    assert _count(graphs["backward"], _c10d.reduce_scatter_tensor.default) == N_UNITS
+    assert len(_reductions(graphs["backward"])) == N_UNITS
     test_no_gathered_parameter_is_saved_for_backward(graphs)
 
 
 def test_without_gradient_sync_backward_has_no_reduce_scatter() -> None:
     graphs = _graphs("aot_eager", fsdp_compile.MixedPrecision(), gradient_sync=False)
     assert _count(graphs["backward"], _c10d.all_gather_into_tensor.default) == N_UNITS
-    assert _count(graphs["backward"], _c10d.reduce_scatter_tensor.default) == 0
+    assert not _reductions(graphs["backward"])
     test_no_gathered_parameter_is_saved_for_backward(graphs)

@@ -106,6 +106,7 @@ class Case:
     checkpoint: bool = False  # torch.utils.checkpoint around every block
     model: Literal["llama", "gpt2"] = "llama"
     overlap: bool = True  # the schedule_overlap pass
+    exchange: bool = True  # MixedPrecision.exchange_grads_in_param_dtype (matters when param_dtype is narrower)
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:
@@ -128,7 +129,9 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
     if case.graph_break:
         for layer in model.layers:
             layer.__class__ = BreakingBlock
-    mp = fsdp_compile.MixedPrecision(param_dtype=case.param_dtype, reduce_dtype=case.dtype)
+    mp = fsdp_compile.MixedPrecision(
+        param_dtype=case.param_dtype, reduce_dtype=case.dtype, exchange_grads_in_param_dtype=case.exchange
+    )
     fsdp_compile.shard(model, units=unit_classes, mp=mp)
     if case.compiler == "eager":
         run = model
@@ -200,7 +203,15 @@ def test_parity_without_the_overlap_pass(compiler: str) -> None:
 
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_parity_bf16_params_fp32_reduce(compiler: str) -> None:
+    """bf16 gradients exchanged as they are (all-to-all) and summed in fp32 by the receiver."""
     spawn_ranks(_train_and_compare, 2, Case(compiler, param_dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("world_size, exchange", [(3, True), (2, False)], ids=["exchange-world3", "reduce_scatter"])
+def test_parity_bf16_params_fp32_reduce_both_ways(world_size: int, exchange: bool) -> None:
+    """The all-to-all exchange with 3 ranks (another summation order than NCCL's), and the fp32
+    reduce-scatter it replaces."""
+    spawn_ranks(_train_and_compare, world_size, Case("aot_eager", param_dtype=torch.bfloat16, steps=3, exchange=exchange))
 
 
 def test_parity_eager_without_compile() -> None:

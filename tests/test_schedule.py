@@ -16,15 +16,18 @@ from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 N_UNITS = LLAMA_TINY.n_layers + 1
 _c10d = torch.ops._c10d_functional
 AG, RS, WAIT = _c10d.all_gather_into_tensor.default, _c10d.reduce_scatter_tensor.default, _c10d.wait_tensor.default
+A2A = _c10d.all_to_all_single.default
 MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
 
 
-def _graphs(rank: int = 0, **options: object) -> dict[str, fx.GraphModule]:
+def _graphs(
+    rank: int = 0, mp: fsdp_compile.MixedPrecision | None = None, **options: object
+) -> dict[str, fx.GraphModule]:
     torch._dynamo.reset()  # many compilations of Llama.forward in one process: stay under the recompile limit
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
-        model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+        model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], mp=mp)
         compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager", **options), fullgraph=True)
         tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
         with capture_graphs() as graphs:
@@ -81,16 +84,27 @@ def test_without_the_pass_each_all_gather_is_issued_at_its_use(stage: str) -> No
         assert nxt["ag"] > start
 
 
-def test_reduce_scatter_waits_sink_with_a_bound_on_those_in_flight(scheduled: dict) -> None:
+@pytest.mark.parametrize("exchange", [False, True], ids=["reduce_scatter", "all_to_all"])
+def test_reduce_scatter_waits_sink_with_a_bound_on_those_in_flight(scheduled: dict, exchange: bool) -> None:
+    if exchange:  # bf16 gradients exchanged with an all-to-all and summed in fp32 after the wait
+        mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        scheduled = _graphs(mp=mp)
     nodes = list(scheduled["backward"].graph.nodes)
     pos = {n: i for i, n in enumerate(nodes)}
-    scatters = [n for n in nodes if n.target == RS]
+    scatters = [n for n in nodes if n.target == (A2A if exchange else RS)]
     assert len(scatters) == N_UNITS
     waits = [next(iter(rs.users)) for rs in scatters]
     for j, wait in enumerate(waits):
         later = pos[scatters[j + 2]] if j + 2 < len(scatters) else len(nodes) - 1
         assert pos[scatters[j]] < pos[wait] < later
         assert all(pos[wait] > pos[rs] for rs in scatters[: j + 2] if rs in pos)  # waited after the next RS
+        # what only the output needs from it (the fp32 sum of an exchange, casts) follows its wait down
+        frontier = list(wait.users)
+        while frontier:
+            node = frontier.pop()
+            if node.op != "output":
+                assert pos[wait] < pos[node] < later, node
+                frontier.extend(node.users)
     inflight = max(sum(pos[rs] < p < pos[w] for rs, w in zip(scatters, waits)) for p in range(len(nodes)))
     assert inflight <= 2
 

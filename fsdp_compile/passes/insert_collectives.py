@@ -4,15 +4,17 @@ Precondition: a Dynamo graph whose reads of sharded parameters are ``fsdp_compil
 placeholders that ``map_units`` identified as flat shards.
 Postcondition: no marker is left; each unit that was read has exactly one ``gather_unit`` call per
 (sub)graph that reads it, placed just before the unit's first read there (a unit read inside a
-checkpointed region is gathered inside the region, so its recomputation re-gathers it once), whose output is narrowed and viewed into the parameters. Its autograd
-(see ``fsdp_compile._ops``) makes AOTAutograd emit one reduce-scatter per unit in the backward graph.
+checkpointed region is gathered inside the region, so its recomputation re-gathers it once), whose
+output is narrowed and viewed into the parameters. Its autograd (see ``fsdp_compile._ops``) makes
+AOTAutograd emit one gradient reduction per unit in the backward graph (a reduce-scatter, or an
+all-to-all when gradients travel in ``param_dtype``).
 
 Example (a unit with two parameters)::
 
     w = fsdp_compile.unshard(flat_1, None, 0, 64, [8, 8], torch.float32)
     b = fsdp_compile.unshard(flat_1, None, 64, 8, [8], torch.float32)
   becomes
-    full = gather_unit(flat_1, None, torch.float32, torch.float32, 2, "0")
+    full = gather_unit(flat_1, None, torch.float32, torch.float32, False, 2, "0")
     w = torch.narrow(full, 0, 0, 64).view([8, 8])
     b = torch.narrow(full, 0, 64, 8).view([8])
 """
@@ -59,6 +61,8 @@ class UnitGather:
     """Placeholder of the unit's unsharded gradient accumulator (gradient sync off), or None."""
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    exchange: bool
+    """Gradients travel in param_dtype (all-to-all) and are averaged in reduce_dtype."""
     world_size: int
     group_name: str
     views: tuple[ParamView, ...]
@@ -78,6 +82,7 @@ class CollectivesPlan:
                     "accum": g.accum,
                     "param_dtype": str(g.param_dtype),
                     "reduce_dtype": str(g.reduce_dtype),
+                    "exchange": g.exchange,
                     "world_size": g.world_size,
                     "group_name": g.group_name,
                     "params": [v.marker for v in g.views],
@@ -129,6 +134,7 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputs) -> Collectives
                 accum=accums[(path, shard_name)],
                 param_dtype=state.param_dtype,
                 reduce_dtype=state.reduce_dtype,
+                exchange=state.exchange,
                 world_size=state.world_size,
                 group_name=state.group_name,
                 views=tuple(unit_views),
@@ -166,6 +172,7 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
                     nodes[gather.accum] if gather.accum else None,
                     gather.param_dtype,
                     gather.reduce_dtype,
+                    gather.exchange,
                     gather.world_size,
                     gather.group_name,
                 ),

@@ -3,13 +3,14 @@ reduce-scatters under a bound.
 
 Precondition: a post-grad forward or backward graph (what Inductor lowers) holding the units'
 ``all_gather_into_tensor`` -> ``wait_tensor`` chains (their input: a flat shard placeholder, possibly
-cast) and, in backward, ``reduce_scatter_tensor`` -> ``wait_tensor`` chains.
+cast) and, in backward, the gradient reductions: ``reduce_scatter_tensor`` (or ``all_to_all_single``, when
+gradients travel in ``param_dtype``) -> ``wait_tensor`` chains. "Reduce-scatter" below means either.
 Postcondition: the same nodes in a new, deterministic, topologically valid order:
 - all-gathers, ordered by the first use of their result, are issued ``prefetch`` units ahead: unit i's
   all-gather (and its cast) just before unit i-prefetch's wait (the first ``prefetch`` + 1 before the
   first unit's wait); each all-gather's wait sits right before the first use of the gathered buffer;
 - each reduce-scatter stays where its input is ready; its wait, and what only the graph output needs from
-  it (the cast back to the shard's dtype), move down to just before the reduce-scatter that comes
+  it (the local sum of an all-to-all, the cast back to the shard's dtype), move down to just before the reduce-scatter that comes
   ``max_inflight_reduce_scatters`` later, or to the end of the graph.
 Nothing depends on the rank: every rank computes the same order. Inductor issues collectives and waits in
 graph order, so this order is the runtime order (see tests/test_codegen.py).
@@ -43,6 +44,8 @@ __all__ = ["OverlapPlan", "ScheduleOverlap", "apply_overlap", "plan_overlap"]
 log = logging.getLogger(__name__)
 
 _c10d = torch.ops._c10d_functional
+_REDUCTIONS = (_c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default)
+"""A unit's gradient reduction: a reduce-scatter, or an all-to-all (gradients exchanged in param_dtype)."""
 _MOVABLE_INPUTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
@@ -92,19 +95,22 @@ def _input_chain(ag: fx.Node) -> list[fx.Node] | None:
 
 
 def _tail(wait: fx.Node, output: fx.Node) -> list[fx.Node]:
-    """``wait`` and the nodes after it that serve only the graph output (e.g. the cast to the shard dtype)."""
-    tail = [wait]
+    """``wait`` and the nodes after it that serve only the graph output (the local sum of an exchange, the
+    cast to the shard's dtype), in graph order."""
+    tail = {wait}
     frontier = list(wait.users)
     while frontier:
-        node = frontier.pop(0)
-        if node is output or node in tail:
-            continue
-        if all(u is output for u in node.users) and all(
-            a in tail for a in node.all_input_nodes
-        ):
-            tail.append(node)
+        node = frontier.pop()
+        if node is not output and node not in tail:
+            tail.add(node)
             frontier.extend(node.users)
-    return tail
+    changed = True
+    while changed:  # keep only what nothing outside the tail (but the output) reads
+        outside = {n for n in tail if n is not wait and any(u is not output and u not in tail for u in n.users)}
+        changed = bool(outside)
+        tail -= outside
+    position = {n: i for i, n in enumerate(wait.graph.nodes)}
+    return sorted(tail, key=position.__getitem__)
 
 
 def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_reduce_scatters: int) -> OverlapPlan:
@@ -126,7 +132,7 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_reduce_scatters
 
     scatters = []  # (rs, tail)
     for node in nodes:
-        if node.target == _c10d.reduce_scatter_tensor.default and (wait := _wait_of(node)) is not None:
+        if node.target in _REDUCTIONS and (wait := _wait_of(node)) is not None:
             scatters.append((node, _tail(wait, output)))
 
     moved = {n for _, ag, wait, chain in gathers for n in (*chain, ag, wait)}

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import json
 
-__all__ = ["communication_overlap"]
+__all__ = ["communication_overlap", "union"]
 
 Intervals = list[tuple[float, float]]
 
 
-def _union(intervals: Intervals) -> Intervals:
+def union(intervals: Intervals) -> Intervals:
     merged: list[list[float]] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -38,7 +38,9 @@ def _intersect(xs: Intervals, ys: Intervals) -> Intervals:
 
 def communication_overlap(trace_path: str, steps: int = 1) -> dict[str, float]:
     """Per step, in ms: ``comm`` (time any NCCL kernel or peer-to-peer copy runs), ``exposed`` (of that,
-    the time no other kernel runs) and ``overlapped`` (comm - exposed)."""
+    the time no other kernel runs), ``overlapped`` (comm - exposed), ``compute`` (time any other kernel
+    or copy runs) and ``idle`` (time between the trace's first and last kernel when none runs: launch
+    gaps, host waits)."""
     with open(trace_path) as f:
         events = json.load(f)["traceEvents"]
     comm, compute = [], []
@@ -48,7 +50,11 @@ def communication_overlap(trace_path: str, steps: int = 1) -> dict[str, float]:
         span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
         is_comm = "nccl" in e["name"].lower() or "PtoP" in e["name"]
         (comm if is_comm else compute).append(span)
-    comm_u = _union(comm)
-    overlapped = _length(_intersect(comm_u, _union(compute)))
+    comm_u, compute_u = union(comm), union(compute)
+    busy = union(comm_u + compute_u)
+    overlapped = _length(_intersect(comm_u, compute_u))
     total = _length(comm_u)
-    return {"comm": total / 1e3 / steps, "exposed": (total - overlapped) / 1e3 / steps, "overlapped": overlapped / 1e3 / steps}
+    idle = busy[-1][1] - busy[0][0] - _length(busy) if busy else 0.0
+    per_step = {"comm": total, "exposed": total - overlapped, "overlapped": overlapped,
+                "compute": _length(compute_u), "idle": idle}
+    return {k: v / 1e3 / steps for k, v in per_step.items()}
