@@ -2,6 +2,7 @@
 # Every GPU test and benchmark in one call (2 GPUs). Logs and JSON under $OUT; a short table last.
 #   OUT=/tmp/out bash benchmarks/gpu.sh                         # GPU tests + benchmark at 1024 and 4096 tokens/GPU
 #   OUT=/tmp/out TESTS=0 TOKENS="2048 8192" bash benchmarks/gpu.sh   # more sweep points only
+#   SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile" bash benchmarks/gpu.sh    # a subset of the systems
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fsdp_compile_gpu}
@@ -14,10 +15,10 @@ python3 -m pip install --no-deps --no-build-isolation -q -e . >"$OUT/install.log
   "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"; } | tee "$OUT/env.log"
 
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -s -m gpu -p no:cacheprovider tests >"$OUT/pytest_gpu.log" 2>&1
+  timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests >"$OUT/pytest_gpu.log" 2>&1
 fi
 tag=$(echo "$TOKENS" | tr ' ' '_')
-torchrun --nproc_per_node 2 benchmarks/train_bench.py --tokens $TOKENS --out "$OUT/bench_$tag.json" \
+torchrun --nproc_per_node 2 benchmarks/train_bench.py --tokens $TOKENS ${SYSTEMS:+--systems $SYSTEMS} --out "$OUT/bench_$tag.json" \
   >"$OUT/bench_$tag.log" 2>&1; echo "train_bench exit $?"
 
 echo "== summary =="

@@ -2,21 +2,25 @@
 
     torchrun --nproc_per_node 2 benchmarks/train_bench.py                       # 0.95B, sweep 1024 and 4096 tokens/GPU
     torchrun --nproc_per_node 2 benchmarks/train_bench.py --tokens 2048 8192    # more points of the sweep
-    torchrun --nproc_per_node 2 benchmarks/train_bench.py --model tiny --tokens 16 32   # CPU smoke test (gloo)
+    torchrun --nproc_per_node 2 benchmarks/train_bench.py --model tiny-untied --tokens 16 32   # CPU smoke test (gloo)
 
 Systems (same model, initial weights, data and mixed precision: bf16 params/compute, fp32 reduce, fp32
-main weights, AdamW):
+main weights, AdamW; the same FSDP units, torchtitan's: every block, the embedding and the output
+projection (when untied) each a unit, the final norm left to the root; the unit holding the output
+projection, which backward needs first, is not resharded after forward):
 - ``no_comm_bound``: the same per-GPU work with no collective: each rank trains the whole model on its
   own micro-batch (fsdp_compile over a group of one rank: bf16 casts, fp32 main weights, full optimizer
   step). Its loss differs from the others after step 0 (no gradient averaging), so the loss guard checks
   its step 0 only.
-- ``fsdp2_eager``: ``fully_shard`` per block and root.
+- ``fsdp2_eager``: ``fully_shard`` per unit and on the root.
 - ``fsdp2_compile``: each block ``torch.compile``d, then ``fully_shard`` (torchtitan's order).
 - ``simplefsdp``: written from SimpleFSDP's description: parameters as DTensor ``Shard(0)``, a
   parametrization redistributes them to ``Replicate`` (bf16 forward, fp32 backward) under a
   MUST_RECOMPUTE checkpoint policy (reshard after forward), whole model compiled with Inductor's
   overlap scheduling and bucketing (on GPUs).
 - ``fsdp_compile`` and its variants (``FSDP_COMPILE_VARIANTS``: one line each).
+- only when named in ``--systems``: ``no_comm_bound_cudagraphs``, ``fsdp_compile_cudagraphs`` (Inductor's
+  CUDA graphs: no launch overhead).
 
 Per point of the sweep (tokens per GPU = batch x seq; seq up to 2048): median step time over the steps after
 --warmup, tokens/s/GPU, MFU (6 x matmul params + 12 x layers x dim x seq FLOPs per token, over the card's
@@ -32,9 +36,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
+import gzip
 import json
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -54,19 +61,21 @@ from torch.nn.utils import parametrize
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import fsdp_compile
-from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_TINY, Block, Llama, LlamaConfig
+from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_TINY, Llama, LlamaConfig
 from fsdp_compile.testing.profile import communication_overlap
 
-MODELS = {"0.95b": LLAMA_0_95B, "tiny": LLAMA_TINY}
+MODELS = {"0.95b": LLAMA_0_95B, "tiny": LLAMA_TINY, "tiny-untied": dataclasses.replace(LLAMA_TINY, tie_embeddings=False)}
 PARAM_DTYPE, REDUCE_DTYPE = torch.bfloat16, torch.float32
 LOSS_RTOL = 2e-2  # bf16 compute: the systems' losses agree to ~1e-3; 2e-2 flags a real bug
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}  # dense, per GPU
 
-FSDP_COMPILE_VARIANTS: dict[str, dict[str, Any]] = {
-    "fsdp_compile": {},
-    "fsdp_compile_no_overlap": {"overlap": False},
+FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "fsdp_compile": ({}, {}),
+    "fsdp_compile_no_overlap": ({"overlap": False}, {}),
+    "fsdp_compile_reduce_scatter": ({}, {"exchange_grads_in_param_dtype": False}),
 }
-"""fsdp_compile variants: name -> ``fsdp_compile.backend(**options)``. Add one line per new variant."""
+"""fsdp_compile variants: name -> (``fsdp_compile.backend(**options)``, ``MixedPrecision(**options)`` beyond
+bf16/fp32). Add one line per new variant."""
 
 
 @dataclass
@@ -77,13 +86,31 @@ class Prepared:
     """Entered around every step (Inductor settings must hold at the lazy backward compile too)."""
 
 
-def _mp_fsdp_compile() -> fsdp_compile.MixedPrecision:
-    return fsdp_compile.MixedPrecision(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE)
+def _mp_fsdp_compile(**options: Any) -> fsdp_compile.MixedPrecision:
+    return fsdp_compile.MixedPrecision(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE, **options)
+
+
+def _unit_modules(model: Llama) -> list[nn.Module]:
+    """The FSDP units besides the root: every block, and the embedding and output projection unless tied."""
+    separate = [] if model.cfg.tie_embeddings else [model.tok_embeddings, model.output]
+    return [*model.layers, *separate]
+
+
+def _last_unit(model: Llama) -> nn.Module:
+    """The unit holding the output projection: the forward uses it last, the backward first."""
+    return model if model.cfg.tie_embeddings else model.output
+
+
+def _shard(model: Llama, group: dist.ProcessGroup | None = None, **mp_options: Any) -> None:
+    units = {id(m) for m in _unit_modules(model)}
+    last = _last_unit(model)
+    fsdp_compile.shard(model, units=lambda fqn, m: id(m) in units, group=group, mp=_mp_fsdp_compile(**mp_options),
+                       reshard_after_forward=lambda fqn, m: m is not last)
 
 
 def no_comm_bound(model: Llama, device: torch.device) -> Prepared:
     alone, _ = dist.new_subgroups(group_size=1)
-    fsdp_compile.shard(model, units=[Block], group=alone, mp=_mp_fsdp_compile())
+    _shard(model, alone)
     return Prepared(torch.compile(model, backend="fsdp_compile", fullgraph=True), list(model.parameters()))
 
 
@@ -91,10 +118,10 @@ def fsdp2_eager(model: Llama, device: torch.device, compile_blocks: bool = False
     policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE)
     for i, layer in enumerate(model.layers):
         if compile_blocks:
-            layer = torch.compile(layer, fullgraph=True)
-            model.layers.register_module(str(i), layer)
-        fully_shard(layer, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+            model.layers.register_module(str(i), torch.compile(layer, fullgraph=True))
+    for unit in _unit_modules(model):
+        fully_shard(unit, mp_policy=policy, reshard_after_forward=unit is not _last_unit(model))
+    fully_shard(model, mp_policy=policy)  # FSDP2 does not reshard the root after forward
     return Prepared(model, list(model.parameters()))
 
 
@@ -148,13 +175,35 @@ def simplefsdp(model: Llama, device: torch.device) -> Prepared:
     return Prepared(compiled, list(distributed.values()), partial(config.patch, _overlap_config()))
 
 
-def _fsdp_compile(options: dict[str, Any], model: Llama, device: torch.device) -> Prepared:
-    fsdp_compile.shard(model, units=[Block], mp=_mp_fsdp_compile())
-    compiled = torch.compile(model, backend=fsdp_compile.backend(**options), fullgraph=True)
+def _fsdp_compile(options: tuple[dict[str, Any], dict[str, Any]], model: Llama, device: torch.device) -> Prepared:
+    backend_options, mp_options = options
+    _shard(model, **mp_options)
+    compiled = torch.compile(model, backend=fsdp_compile.backend(**backend_options), fullgraph=True)
     return Prepared(compiled, list(model.parameters()))
 
 
+def _cudagraphs(make: Callable[[Llama, torch.device], Prepared], model: Llama, device: torch.device) -> Prepared:
+    """``make``'s system with Inductor's CUDA graphs (each step one graph replay per compiled graph).
+    Its peak memory reads low: ``max_memory_allocated`` does not see tensors inside the graphs' pool."""
+    from torch._inductor import config
+
+    prepared = make(model, device)
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()
+        return prepared.module(inputs, targets)
+
+    return Prepared(step, prepared.params, partial(config.patch, {"triton.cudagraphs": True}))  # type: ignore[arg-type]
+
+
+EXPERIMENTS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
+    "no_comm_bound_cudagraphs": partial(_cudagraphs, no_comm_bound),
+    "fsdp_compile_cudagraphs": partial(_cudagraphs, partial(_fsdp_compile, ({}, {}))),
+}
+"""Systems run only when named in --systems."""
+
 SYSTEMS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
+    **EXPERIMENTS,
     "no_comm_bound": no_comm_bound,
     "fsdp2_eager": fsdp2_eager,
     "fsdp2_compile": partial(fsdp2_eager, compile_blocks=True),
@@ -176,6 +225,9 @@ class Result:
     peak_gib: float | None = None
     exposed_comm_ms: float | None = None
     comm_ms: float | None = None
+    compute_ms: float | None = None
+    idle_ms: float | None = None
+    cpu_ms: float | None = None
     tokens_per_s_per_gpu: float = 0.0
     mfu: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -216,6 +268,7 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namesp
     prepared = SYSTEMS[name](model, device)
     opt = torch.optim.AdamW(prepared.params, lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
     result = Result(system=name, tokens_per_gpu=batch * seq, batch=batch, seq=seq, losses=[], step_ms=[])
+    enqueue_ms = []
 
     def step(i: int) -> torch.Tensor:
         tokens = _batch(cfg, batch, seq, i, device)
@@ -232,6 +285,7 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namesp
             _sync(device)
             start = time.perf_counter()
             loss = step(i)
+            enqueue_ms.append((time.perf_counter() - start) * 1e3)
             _sync(device)
             result.step_ms.append((time.perf_counter() - start) * 1e3)
             global_loss = loss.detach().float()
@@ -240,15 +294,22 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namesp
         if device.type == "cuda":
             result.peak_gib = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
             if args.profile_steps:
-                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                activities = [torch.profiler.ProfilerActivity.CUDA]
+                if args.trace_dir:
+                    activities.append(torch.profiler.ProfilerActivity.CPU)
+                with torch.profiler.profile(activities=activities) as prof:
                     for i in range(args.profile_steps):
                         step(args.steps + i)
                     _sync(device)
                 with tempfile.NamedTemporaryFile(suffix=".json") as trace:
                     prof.export_chrome_trace(trace.name)
                     overlap = communication_overlap(trace.name, args.profile_steps)
+                    if args.trace_dir:
+                        _keep_trace(trace.name, args.trace_dir, f"{name}_{batch * seq}_rank{dist.get_rank()}")
                 result.comm_ms, result.exposed_comm_ms = overlap["comm"], overlap["exposed"]
+                result.compute_ms, result.idle_ms = overlap["compute"], overlap["idle"]
     result.median_step_ms = statistics.median(result.step_ms[args.warmup :])
+    result.cpu_ms = statistics.median(enqueue_ms[args.warmup :])
     result.compile_s = max(0.0, (result.step_ms[0] - result.median_step_ms) / 1e3)
     result.tokens_per_s_per_gpu = batch * seq / (result.median_step_ms / 1e3)
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
@@ -259,6 +320,12 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namesp
     result.extra.update(resident_before_gib=resident / 2**30, leftover_after_gib=leftover / 2**30,
                         model_freed=model_ref() is None)
     return result
+
+
+def _keep_trace(path: str, trace_dir: str, stem: str) -> None:
+    os.makedirs(trace_dir, exist_ok=True)
+    with open(path, "rb") as src, gzip.open(os.path.join(trace_dir, f"{stem}.json.gz"), "wb") as dst:
+        shutil.copyfileobj(src, dst)
 
 
 def check_losses(results: list[Result]) -> list[str]:
@@ -292,13 +359,15 @@ def table(results: list[Result]) -> Iterator[str]:
         ref = next(r for r in rows if r.system == "fsdp2_eager").median_step_ms
         bound = next(r for r in rows if r.system == "no_comm_bound").median_step_ms
         yield f"\n{tokens} tokens/GPU (batch {rows[0].batch} x seq {rows[0].seq})\n"
-        yield "| system | step ms | vs FSDP2 eager | vs bound | tokens/s/GPU | MFU | peak GiB | exposed comm ms | comm ms | compile s |"
-        yield "|---|---|---|---|---|---|---|---|---|---|"
+        yield ("| system | step ms | vs FSDP2 eager | vs bound | tokens/s/GPU | MFU | peak GiB | exposed comm ms "
+               "| comm ms | compute ms | GPU idle ms | host ms | compile s |")
+        yield "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
         for r in rows:
             yield (
                 f"| {r.system} | {r.median_step_ms:.1f} | {r.median_step_ms / ref:.2f}x | {r.median_step_ms / bound:.2f}x | "
                 f"{r.tokens_per_s_per_gpu:,.0f} | {_fmt(r.mfu and 100 * r.mfu, '.1f%')} | {_fmt(r.peak_gib, '.2f')} | "
-                f"{_fmt(r.exposed_comm_ms, '.1f')} | {_fmt(r.comm_ms, '.1f')} | {r.compile_s:.1f} |"
+                f"{_fmt(r.exposed_comm_ms, '.1f')} | {_fmt(r.comm_ms, '.1f')} | {_fmt(r.compute_ms, '.1f')} | "
+                f"{_fmt(r.idle_ms, '.1f')} | {_fmt(r.cpu_ms, '.1f')} | {r.compile_s:.1f} |"
             )
 
 
@@ -312,11 +381,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="fsdp_compile vs FSDP2, SimpleFSDP-style and the bound, in one run.")
     parser.add_argument("--model", choices=sorted(MODELS), default="0.95b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096], help="tokens per GPU (sweep points)")
-    parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), default=[s for s in SYSTEMS if s not in EXPERIMENTS])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of timing and peak memory")
     parser.add_argument("--profile-steps", type=int, default=2, help="extra steps traced for exposed communication")
     parser.add_argument("--out", help="write the JSON results to this file")
+    parser.add_argument("--trace-dir", help="keep each system's profiler trace (CPU and CUDA) here, per rank")
     args = parser.parse_args()
     if "fsdp2_eager" not in args.systems or "no_comm_bound" not in args.systems:
         parser.error("--systems must include fsdp2_eager and no_comm_bound (the tables' references)")
@@ -333,8 +403,10 @@ def main() -> None:
                 results.append(run(name, cfg, batch, seq, args, device))
                 if dist.get_rank() == 0:
                     r = results[-1]
+                    brief = {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(r).items()
+                             if k not in ("system", "losses", "step_ms", "extra")}
                     print(f"# {name} {batch}x{seq}: {r.median_step_ms:.1f} ms, losses {[round(x, 4) for x in r.losses]}, "
-                          f"{r.extra}", flush=True)
+                          f"{brief}, {r.extra}", flush=True)
     problems = check_losses(results)
     meta = {
         "model": args.model,

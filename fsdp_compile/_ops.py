@@ -23,9 +23,13 @@ from typing import Any
 import torch
 import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops' autograd)
 
-__all__ = ["all_gather", "exchange_avg", "gather_unit", "reduce_scatter_avg", "unshard"]
+__all__ = ["KEEP_GATHERED", "all_gather", "exchange_avg", "gather_unit", "reduce_scatter_avg", "unshard"]
 
 _c10d = torch.ops._c10d_functional
+
+KEEP_GATHERED = "fsdp_compile.keep_gathered"
+"""Key in a ``gather_unit`` node's ``meta["custom"]`` (which tracing copies onto the nodes it becomes): the
+unit is not resharded after forward."""
 
 
 def all_gather(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:

@@ -87,6 +87,7 @@ class UnitState:
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         exchange: bool,
+        reshard_after_forward: bool,
     ) -> None:
         self.layout = layout
         self.flat = flat
@@ -99,6 +100,8 @@ class UnitState:
         self.reduce_dtype = reduce_dtype
         self.exchange = exchange
         """Gradients travel in ``param_dtype`` and are averaged in ``reduce_dtype`` (see MixedPrecision)."""
+        self.reshard_after_forward = reshard_after_forward
+        """False: the gathered unit is kept from forward to backward instead of gathered again."""
         self.requires_gradient_sync = True
         self.accum: torch.Tensor | None = None
         """Gradient sync off: a full-size leaf in reduce_dtype whose .grad accumulates the unreduced gradient."""
@@ -191,7 +194,7 @@ class UnitState:
         if torch.compiler.is_compiling():
             return
         self.gathered = self.gather()
-        if self.world_size > 1:
+        if self.world_size > 1 and self.reshard_after_forward:
             live_gathers[self.gathered.untyped_storage().data_ptr()] = self
             self._hooks.append(torch.autograd.graph.saved_tensors_hooks(pack, unpack))
             self._hooks[-1].__enter__()
@@ -255,6 +258,7 @@ def shard(
     units: UnitSpec,
     group: dist.ProcessGroup | None = None,
     mp: MixedPrecision | None = None,
+    reshard_after_forward: bool | Callable[[str, nn.Module], bool] = True,
 ) -> nn.Module:
     """Shard ``module`` in place into FSDP units and return it.
 
@@ -262,6 +266,12 @@ def shard(
     unit, the parameters left over form the root unit. Tied parameters must be owned by modules of one
     unit. ``group``: the process group to shard over (default: the default group). ``mp``: the
     all-gather and reduce-scatter dtypes; the shards keep the model's dtype.
+    ``reshard_after_forward``: ``True`` (default): every unit's gathered parameters are dropped after its
+    forward and gathered again in backward. ``False``, or a predicate ``(unit fqn, unit module) -> bool``
+    (``""`` and ``module`` for the root unit) that is false for some units: those keep their gathered
+    parameters from forward to backward (one all-gather less, one gathered unit more in memory until its
+    backward). Worth it for the unit the forward uses last (e.g. the output projection): backward needs it
+    first, so it is alive at the forward/backward boundary either way.
 
     Every check happens before the module is touched: on an error, the module is left as it was.
     """
@@ -274,6 +284,11 @@ def shard(
         mp = MixedPrecision()
     elif not isinstance(mp, MixedPrecision):
         raise TypeError(f"mp must be a fsdp_compile.MixedPrecision, got {type(mp).__name__}")
+    if not isinstance(reshard_after_forward, bool) and not callable(reshard_after_forward):
+        raise TypeError(
+            "reshard_after_forward must be a bool or a predicate (unit fqn, unit module) -> bool, "
+            f"got {reshard_after_forward!r}"
+        )
     group = _resolve_group(group)
     is_unit = _unit_predicate(units)
     world_size, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -313,8 +328,11 @@ def shard(
         by_unit.setdefault(param_units.pop(), []).append(param)
 
     unit_order = list(dict.fromkeys(unit_of.values()))
+    reshard = (lambda fqn: reshard_after_forward) if isinstance(reshard_after_forward, bool) else (
+        lambda fqn: bool(reshard_after_forward(fqn, module.get_submodule(fqn)))
+    )
     built = [
-        _build_unit(unit_fqn, by_unit[unit_fqn], owners, group, world_size, rank, mp)
+        _build_unit(unit_fqn, by_unit[unit_fqn], owners, group, world_size, rank, mp, reshard(unit_fqn))
         for unit_fqn in unit_order
         if unit_fqn in by_unit
     ]
@@ -379,6 +397,7 @@ def _build_unit(
     world_size: int,
     rank: int,
     mp: MixedPrecision,
+    reshard_after_forward: bool,
 ) -> tuple[UnitState, list[nn.Parameter]]:
     """Copy this rank's chunk of the unit into a new flat shard and cut one piece per parameter."""
     dtypes = {p.dtype: owners[p][0][2] for p in params}
@@ -412,6 +431,7 @@ def _build_unit(
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
         exchange=mp.exchange_grads_in_param_dtype and reduce_dtype.itemsize > param_dtype.itemsize,
+        reshard_after_forward=reshard_after_forward,
     )
     _units_by_shard[id(flat)] = state
     return state, params

@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]") -> None:
     out = os.path.join(tmp_path, "bench.json")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "benchmarks/train_bench.py",
-           "--model", "tiny", "--tokens", "32", "--steps", "3", "--warmup", "1", "--out", out]
+           "--model", "tiny-untied", "--tokens", "32", "--steps", "3", "--warmup", "1", "--out", out]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "loss guard (all systems vs fsdp2_eager, rtol 0.02): OK" in proc.stdout
@@ -25,7 +25,8 @@ def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]
     with open(out) as f:
         data = json.load(f)
     systems = {r["system"] for r in data["results"]}
-    assert systems == {"no_comm_bound", "fsdp2_eager", "fsdp2_compile", "simplefsdp", "fsdp_compile", "fsdp_compile_no_overlap"}
+    assert systems == {"no_comm_bound", "fsdp2_eager", "fsdp2_compile", "simplefsdp", "fsdp_compile", "fsdp_compile_no_overlap",
+                       "fsdp_compile_reduce_scatter"}
     assert all(len(r["losses"]) == 3 for r in data["results"])
     # Each system is gone before the next one is measured (its memory would count in the next peak).
     assert all(r["extra"]["model_freed"] for r in data["results"]), [r["system"] for r in data["results"]]

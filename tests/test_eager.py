@@ -37,3 +37,18 @@ def _reshard_after_forward(rank: int, world_size: int) -> None:
 
 def test_units_are_resharded_after_forward_and_regathered_once_in_backward() -> None:
     spawn_ranks(_reshard_after_forward, 2)
+
+
+def _keep_root_gathered(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], reshard_after_forward=lambda fqn, m: fqn != "")
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
+    counters.clear()
+    model(tokens[:, :-1], tokens[:, 1:]).backward()
+    # The root (tied embedding/output) kept what backward needs of it: only the blocks are gathered again.
+    assert counters["fsdp_compile"]["eager_regathers"] == LLAMA_TINY.n_layers
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_unit_not_resharded_is_not_gathered_again() -> None:
+    spawn_ranks(_keep_root_gathered, 2)

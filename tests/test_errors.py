@@ -104,6 +104,16 @@ def test_mixed_precision_dtypes_that_make_no_sense(kwargs: dict, match: str) -> 
         fsdp_compile.MixedPrecision(**kwargs)
 
 
+def test_exchange_flag_that_is_not_a_bool() -> None:
+    with pytest.raises(TypeError, match="exchange_grads_in_param_dtype must be a bool, got 'yes'"):
+        fsdp_compile.MixedPrecision(exchange_grads_in_param_dtype="yes")  # type: ignore[arg-type]
+
+
+def test_reshard_after_forward_of_the_wrong_type(pg: None) -> None:
+    _expect_unchanged(Llama(LLAMA_TINY), TypeError, "reshard_after_forward must be a bool or a predicate",
+                      units=[Block], reshard_after_forward="output")
+
+
 def test_mp_of_the_wrong_type(pg: None) -> None:
     _expect_unchanged(Llama(LLAMA_TINY), TypeError, "mp must be a fsdp_compile.MixedPrecision", units=[Block], mp=torch.bfloat16)
 

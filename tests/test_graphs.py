@@ -26,13 +26,17 @@ def _count(gm: fx.GraphModule, target: object) -> int:
 
 
 def _graphs(
-    compiler: str, mp: fsdp_compile.MixedPrecision, cfg: LlamaConfig = LLAMA_TINY, gradient_sync: bool = True
+    compiler: str,
+    mp: fsdp_compile.MixedPrecision,
+    cfg: LlamaConfig = LLAMA_TINY,
+    gradient_sync: bool = True,
+    **shard_options: object,
 ) -> dict[str, fx.GraphModule]:
     torch._dynamo.reset()  # many compilations of Llama.forward in one process: stay under the recompile limit
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         torch.manual_seed(0)
-        model = fsdp_compile.shard(Llama(cfg), units=[Block], mp=mp)
+        model = fsdp_compile.shard(Llama(cfg), units=[Block], mp=mp, **shard_options)  # type: ignore[arg-type]
         fsdp_compile.set_requires_gradient_sync(model, gradient_sync)
         compiled = torch.compile(model, backend=fsdp_compile.backend(compiler=compiler), fullgraph=True)
         tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
@@ -158,3 +162,22 @@ def test_without_gradient_sync_backward_has_no_reduce_scatter() -> None:
     assert _count(graphs["backward"], _c10d.all_gather_into_tensor.default) == N_UNITS
     assert not _reductions(graphs["backward"])
     test_no_gathered_parameter_is_saved_for_backward(graphs)
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_unit_not_resharded_is_saved_for_backward_instead_of_regathered(compiler: str) -> None:
+    keep_root = {"reshard_after_forward": lambda fqn, module: fqn != ""}
+    graphs = _graphs(compiler, fsdp_compile.MixedPrecision(), **keep_root)
+    assert _count(graphs["forward"], _c10d.all_gather_into_tensor.default) == N_UNITS
+    assert _count(graphs["backward"], _c10d.all_gather_into_tensor.default) == N_UNITS - 1
+    fwd = graphs["forward"]
+    (output,) = fwd.graph.find_nodes(op="output")
+    saved = {a for a in output.args[0] if isinstance(a, fx.Node)}
+    # Saved: views of ONE gathered buffer, the root's (its embedding/output weight and final norm).
+    leaked = _gathered_aliases(fwd) & saved
+    sources = set()
+    for node in leaked:
+        while node.target != _c10d.wait_tensor.default:
+            node = node.args[0]
+        sources.add(node)
+    assert len(sources) == 1, sorted(n.name for n in leaked)

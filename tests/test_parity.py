@@ -107,6 +107,7 @@ class Case:
     model: Literal["llama", "gpt2"] = "llama"
     overlap: bool = True  # the schedule_overlap pass
     exchange: bool = True  # MixedPrecision.exchange_grads_in_param_dtype (matters when param_dtype is narrower)
+    keep_root_gathered: bool = False  # shard(reshard_after_forward=...) false for the root unit
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:
@@ -132,7 +133,8 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
     mp = fsdp_compile.MixedPrecision(
         param_dtype=case.param_dtype, reduce_dtype=case.dtype, exchange_grads_in_param_dtype=case.exchange
     )
-    fsdp_compile.shard(model, units=unit_classes, mp=mp)
+    reshard = (lambda fqn, module: fqn != "") if case.keep_root_gathered else True
+    fsdp_compile.shard(model, units=unit_classes, mp=mp, reshard_after_forward=reshard)
     if case.compiler == "eager":
         run = model
     else:
@@ -205,6 +207,12 @@ def test_parity_without_the_overlap_pass(compiler: str) -> None:
 def test_parity_bf16_params_fp32_reduce(compiler: str) -> None:
     """bf16 gradients exchanged as they are (all-to-all) and summed in fp32 by the receiver."""
     spawn_ranks(_train_and_compare, 2, Case(compiler, param_dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_parity_root_not_resharded_after_forward(compiler: str) -> None:
+    dtype = torch.float64 if compiler == "eager" else torch.float32
+    spawn_ranks(_train_and_compare, 2, Case(compiler, dtype, dtype, steps=3, keep_root_gathered=True))
 
 
 @pytest.mark.parametrize("world_size, exchange", [(3, True), (2, False)], ids=["exchange-world3", "reduce_scatter"])

@@ -29,7 +29,7 @@ import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
-from fsdp_compile._ops import gather_unit, unshard
+from fsdp_compile._ops import KEEP_GATHERED, gather_unit, unshard
 from fsdp_compile.passes.map_units import UnitInputs, iter_graphs
 
 __all__ = ["CollectivesPlan", "UnitGather", "apply_collectives", "is_marker", "plan_collectives"]
@@ -63,6 +63,7 @@ class UnitGather:
     reduce_dtype: torch.dtype
     exchange: bool
     """Gradients travel in param_dtype (all-to-all) and are averaged in reduce_dtype."""
+    reshard_after_forward: bool
     world_size: int
     group_name: str
     views: tuple[ParamView, ...]
@@ -83,6 +84,7 @@ class CollectivesPlan:
                     "param_dtype": str(g.param_dtype),
                     "reduce_dtype": str(g.reduce_dtype),
                     "exchange": g.exchange,
+                    "reshard_after_forward": g.reshard_after_forward,
                     "world_size": g.world_size,
                     "group_name": g.group_name,
                     "params": [v.marker for v in g.views],
@@ -135,6 +137,7 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputs) -> Collectives
                 param_dtype=state.param_dtype,
                 reduce_dtype=state.reduce_dtype,
                 exchange=state.exchange,
+                reshard_after_forward=state.reshard_after_forward,
                 world_size=state.world_size,
                 group_name=state.group_name,
                 views=tuple(unit_views),
@@ -178,6 +181,8 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
                 ),
             )
             full.meta["fsdp_compile.unit"] = gather.unit
+            if not gather.reshard_after_forward:
+                full.meta["custom"] = {**full.meta.get("custom", {}), KEEP_GATHERED: True}
         for view, marker in zip(gather.views, markers):
             with graph.inserting_before(marker):
                 narrowed = _add(graph, "call_function", torch.narrow, (full, 0, view.offset, view.numel))

@@ -5,7 +5,9 @@ Precondition: an AOTAutograd joint graph (before partitioning) whose forward hol
 Postcondition: every node of such a chain, the cast that feeds it and every view of its result carry
 ``meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE``; the partitioner then keeps only the flat shard
 for backward and places a fresh all-gather in the backward graph. (Without the tag the partitioner
-force-saves collectives: all gathered parameters would live from forward to backward.)
+force-saves collectives: all gathered parameters would live from forward to backward.) Except the units
+shard() was told not to reshard (``reshard_after_forward``): their all-gather carries
+``meta["custom"][KEEP_GATHERED]`` and is left untagged, so the gathered unit is saved for backward.
 
 Example (joint graph)::
 
@@ -25,6 +27,8 @@ import torch
 import torch.fx as fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
+
+from fsdp_compile._ops import KEEP_GATHERED
 
 __all__ = ["ReshardAfterForward", "ReshardPlan", "apply_reshard", "plan_reshard"]
 
@@ -49,7 +53,7 @@ def _is_view(node: fx.Node) -> bool:
 def plan_reshard(graph: fx.Graph) -> ReshardPlan:
     chains = []
     for node in graph.nodes:
-        if node.target != _c10d.all_gather_into_tensor.default:
+        if node.target != _c10d.all_gather_into_tensor.default or node.meta.get("custom", {}).get(KEEP_GATHERED):
             continue
         chain = [node]
         source = node.args[0]

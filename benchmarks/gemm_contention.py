@@ -1,0 +1,114 @@
+"""The collectives of one 0.95B block on 2 GPUs: their time alone, and how much each slows the block's
+matmuls running beside it (the SMs NCCL takes). Optionally with SMs reserved for NCCL in the matmuls
+(cuBLASLt SM count target, ``torch._C._set_sm_carveout_experimental``).
+
+    torchrun --nproc_per_node 2 benchmarks/gemm_contention.py [--carveout 24]
+
+Collectives: all-gather bf16 (forward/backward), reduce-scatter fp32 (FSDP2's gradient reduction with an
+fp32 reduce dtype) and all-to-all bf16 (the same reduction done as an exchange of bf16 gradients followed
+by a local fp32 sum).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+SHAPES = {  # (M, K, N) of the block's matmuls at 4096 tokens/GPU
+    "4096x2048x2048": (4096, 2048, 2048),
+    "4096x2048x5632": (4096, 2048, 5632),
+    "4096x5632x2048": (4096, 5632, 2048),
+    "2048x4096x5632": (2048, 4096, 5632),
+}
+BLOCK_NUMEL = 51_380_224
+
+
+def _time(fn: Callable[[], object], reps: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _beside(matmul: Callable[[], object], count: int, collective: Callable[[], object], comm: torch.cuda.Stream,
+            reps: int) -> float:
+    """Mean time of one matmul (compute-stream events) while ``collective`` runs on ``comm``."""
+    events = []
+    for _ in range(reps + 1):
+        comm.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(comm):
+            collective()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(count):
+            matmul()
+        end.record()
+        torch.cuda.current_stream().wait_stream(comm)
+        events.append((start, end))
+    torch.cuda.synchronize()
+    return sum(s.elapsed_time(e) for s, e in events[1:]) / reps / count
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--carveout", type=int, nargs="*", default=[])
+    parser.add_argument("--reps", type=int, default=20)
+    args = parser.parse_args()
+    rank = int(os.environ["LOCAL_RANK"])
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl")
+    world = dist.get_world_size()
+    n = BLOCK_NUMEL // world * world
+    shard16 = torch.randn(n // world, device="cuda", dtype=torch.bfloat16)
+    full16 = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    full32 = torch.randn(n, device="cuda", dtype=torch.float32)
+    shard32 = torch.empty(n // world, device="cuda", dtype=torch.float32)
+    out16 = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+
+    def a2a_and_sum() -> None:
+        dist.all_to_all_single(out16, full16)
+        torch.sum(out16.view(world, -1).float(), 0, out=shard32)
+
+    collectives = {
+        "all-gather bf16": lambda: dist.all_gather_into_tensor(out16, shard16),
+        "reduce-scatter fp32": lambda: dist.reduce_scatter_tensor(shard32, full32, op=dist.ReduceOp.AVG),
+        "all-to-all bf16": lambda: dist.all_to_all_single(out16, full16),
+        "all-to-all bf16 + fp32 sum": a2a_and_sum,
+    }
+    comm = torch.cuda.Stream()
+    alone = {name: _time(fn, args.reps) for name, fn in collectives.items()}
+    rows = []
+    for carveout in [None, *args.carveout]:
+        torch.backends.cuda.preferred_blas_library("cublas" if carveout is None else "cublaslt")
+        torch._C._set_sm_carveout_experimental(carveout)
+        for shape, (m, k, nn) in SHAPES.items():
+            a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            b = torch.randn(k, nn, device="cuda", dtype=torch.bfloat16)
+            mm_alone = _time(lambda: a @ b, args.reps)
+            for name, fn in collectives.items():
+                count = max(1, round(alone[name] / mm_alone))
+                rows.append((shape, carveout, name, mm_alone, _beside(lambda: a @ b, count, fn, comm, args.reps)))
+    torch._C._set_sm_carveout_experimental(None)
+    torch.backends.cuda.preferred_blas_library("cublas")
+    if rank == 0:
+        print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {world} ranks, one block = {n:,} elements")
+        for name, ms in alone.items():
+            print(f"{name}: {ms:.3f} ms alone")
+        print("| matmul | SMs reserved | beside | alone ms | beside ms | slowdown |")
+        print("|---|---|---|---|---|---|")
+        for shape, carveout, name, mm_alone, together in rows:
+            print(f"| {shape} | {carveout or 0} | {name} | {mm_alone:.3f} | {together:.3f} | {together / mm_alone:.2f}x |")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

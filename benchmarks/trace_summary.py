@@ -1,0 +1,103 @@
+"""Where a profiled step's time goes, from the benchmark's traces (``train_bench.py --trace-dir``).
+
+    python benchmarks/trace_summary.py TRACE_DIR [--steps 2] [--top 12]
+
+Per trace (one system, point and rank), per step: GPU time by kernel class (matmul, attention, NCCL
+all-gather / reduce-scatter, other), the time each class spends alone vs beside NCCL (the slowdown of
+compute under communication shows as a longer per-kernel time than in the bound's trace), the largest
+host-side ops, and the host time spent blocked in synchronizing CUDA calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gzip
+import json
+import os
+from collections import defaultdict
+from collections.abc import Iterator
+
+from fsdp_compile.testing.profile import union
+
+CLASSES = (
+    ("allgather", ("allgather",)),
+    ("reducescatter", ("reducescatter",)),
+    ("nccl_other", ("nccl",)),
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "mm_")),
+    ("optimizer", ("adam", "multi_tensor")),
+    ("copy", ("memcpy", "memset", "copy")),
+)
+
+
+def kernel_class(name: str) -> str:
+    low = name.lower()
+    return next((cls for cls, keys in CLASSES if any(k in low for k in keys)), "other")
+
+
+def _load(path: str) -> list[dict]:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt") as f:
+        return json.load(f)["traceEvents"]
+
+
+def _beside(start: float, end: float, spans: list[tuple[float, float]], starts: list[float]) -> float:
+    """How long [start, end) overlaps the sorted, disjoint ``spans``."""
+    i = max(bisect.bisect_right(starts, start) - 1, 0)
+    total = 0.0
+    while i < len(spans) and spans[i][0] < end:
+        total += max(0.0, min(end, spans[i][1]) - max(start, spans[i][0]))
+        i += 1
+    return total
+
+
+def summarize(path: str, steps: int, top: int) -> Iterator[str]:
+    events = [e for e in _load(path) if e.get("ph") == "X"]
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    nccl = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()])
+    nccl_starts = [a for a, _ in nccl]
+    by_class: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
+    by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in kernels:
+        cls = kernel_class(e["name"])
+        by_class[cls][0] += e["dur"]
+        by_class[cls][1] += 1
+        if not cls.startswith(("allgather", "reducescatter", "nccl")):
+            by_class[cls][2] += _beside(e["ts"], e["ts"] + e["dur"], nccl, nccl_starts)
+        by_name[e["name"][:90]][0] += e["dur"]
+        by_name[e["name"][:90]][1] += 1
+    first = min(e["ts"] for e in kernels)
+    last = max(e["ts"] + e["dur"] for e in kernels)
+    yield f"== {os.path.basename(path)}: GPU span {(last - first) / 1e3 / steps:.2f} ms/step, {len(kernels) // steps} kernels/step"
+    for cls, (dur, n, beside) in sorted(by_class.items(), key=lambda kv: -kv[1][0]):
+        yield (f"   {cls:14s} {dur / 1e3 / steps:8.2f} ms/step  {int(n) // steps:5d} kernels  "
+               f"{beside / 1e3 / steps:6.2f} ms of it beside NCCL")
+    yield "   top kernels (ms/step, count/step):"
+    for name, (dur, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        yield f"     {dur / 1e3 / steps:7.2f} {int(n) // steps:5d}  {name}"
+    host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation", "python_function")]
+    host_by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for e in host:
+        host_by_name[f"{e.get('cat')}:{e['name'][:70]}"][0] += e["dur"]
+        host_by_name[f"{e.get('cat')}:{e['name'][:70]}"][1] += 1
+    if host_by_name:
+        yield "   host ops, inclusive (ms/step, count/step):"
+        for name, (dur, n) in sorted(host_by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+            yield f"     {dur / 1e3 / steps:7.2f} {int(n) // steps:5d}  {name}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("trace_dir")
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--top", type=int, default=12)
+    args = parser.parse_args()
+    for name in sorted(os.listdir(args.trace_dir)):
+        if name.endswith((".json", ".json.gz")):
+            for line in summarize(os.path.join(args.trace_dir, name), args.steps, args.top):
+                print(line)
+
+
+if __name__ == "__main__":
+    main()
