@@ -25,9 +25,11 @@ projection, which backward needs first, is not resharded after forward):
 Per point of the sweep (tokens per GPU = batch x seq; seq up to 2048): median step time over the steps after
 --warmup, tokens/s/GPU, MFU (6 x matmul params + 12 x layers x dim x seq FLOPs per token, over the card's
 dense bf16 peak), peak memory (``torch.cuda.max_memory_allocated`` over the measured steps, less what the
-previous system left allocated: none, unless ``leftover_after_gib`` in the JSON says otherwise), exposed
-communication (from a profiler trace of --profile-steps steps: time of NCCL kernels not overlapped by any
-other kernel), compile time (first step minus the median). Prints markdown tables of ratios vs FSDP2
+previous system left allocated: none, unless ``leftover_after_gib`` in the JSON says otherwise), host time
+to enqueue a step (close to the step time: launch-bound), from a profiler trace of --profile-steps more
+steps: communication (NCCL kernel time), exposed communication (NCCL kernels not overlapped by any other
+kernel), compute (other kernels) and GPU idle time; compile time (first step minus the median).
+``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them). Prints markdown tables of ratios vs FSDP2
 eager and vs the bound, a loss-agreement guard, and writes JSON (``--out``); ``benchmarks/plot.py`` turns
 the JSON into plots.
 """

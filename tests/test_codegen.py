@@ -1,6 +1,7 @@
 """Layer 2: what Inductor generates (fake process group, one process): one all-gather per unit in the
-forward code, one all-gather and one reduce-scatter per unit in backward, and the overlap schedule kept:
-each prefetched all-gather is issued, then the previous unit's matmuls run, then it is waited for."""
+forward code, one all-gather and one gradient exchange per unit in backward (bf16 gradients, fp32 sums:
+an all-to-all), and the overlap schedule kept: each prefetched all-gather is issued, then the previous
+unit's matmuls run, then it is waited for."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 N_UNITS = LLAMA_TINY.n_layers + 1
 AG = "torch.ops._c10d_functional.all_gather_into_tensor.default("
-RS = "torch.ops._c10d_functional.reduce_scatter_tensor.default("
+A2A = "torch.ops._c10d_functional.all_to_all_single.default("
 
 
 def _code(backend: object) -> list[str]:
@@ -60,9 +61,9 @@ def _overlapped_gathers(code: str) -> int:
 @pytest.mark.slow
 def test_collective_counts(code: list[str]) -> None:
     forward, backward = code
-    FileCheck().check_count(AG, N_UNITS, exactly=True).check_not("reduce_scatter_tensor").run(forward)
+    FileCheck().check_count(AG, N_UNITS, exactly=True).check_not("all_to_all_single").run(forward)
     FileCheck().check_count(AG, N_UNITS, exactly=True).run(backward)
-    FileCheck().check_count(RS, N_UNITS, exactly=True).run(backward)
+    FileCheck().check_count(A2A, N_UNITS, exactly=True).check_not("reduce_scatter_tensor").run(backward)
 
 
 @pytest.mark.slow
@@ -72,9 +73,11 @@ def test_inductor_keeps_the_overlap_schedule(code: list[str]) -> None:
     # first block's: before it there is only the root's embedding (fused into the block's first kernel).
     assert _overlapped_gathers(forward) == N_UNITS - 2
     assert _overlapped_gathers(backward) == N_UNITS - 1
-    # Reduce-scatters: the first one's wait comes after the second one is issued.
-    scatters = re.findall(r"(buf\d+) = torch\.ops\._c10d_functional\.reduce_scatter_tensor\.default\(", backward)
-    FileCheck().check(f"{scatters[0]} = {RS}").check(f"{scatters[1]} = {RS}").check(f"wait_tensor.default({scatters[0]})").run(backward)
+    # Gradient exchanges: the first one's wait comes after the second one is issued.
+    exchanges = re.findall(r"(buf\d+) = torch\.ops\._c10d_functional\.all_to_all_single\.default\(", backward)
+    FileCheck().check(f"{exchanges[0]} = {A2A}").check(f"{exchanges[1]} = {A2A}").check(
+        f"wait_tensor.default({exchanges[0]})"
+    ).run(backward)
 
 
 @pytest.mark.slow
