@@ -27,7 +27,7 @@ Per point of the sweep (tokens per GPU = batch x seq; seq up to 2048): median st
 dense bf16 peak), peak memory (``torch.cuda.max_memory_allocated`` over the measured steps, less what the
 previous system left allocated: none, unless ``leftover_after_gib`` in the JSON says otherwise), host time
 to enqueue a step (close to the step time: launch-bound), from a profiler trace of --profile-steps more
-steps: communication (NCCL kernel time), exposed communication (NCCL kernels not overlapped by any other
+steps (after a barrier and one untraced warm-up step): communication (NCCL kernel time), exposed communication (NCCL kernels not overlapped by any other
 kernel), compute (other kernels) and GPU idle time; compile time (first step minus the median).
 ``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them). Prints markdown tables of ratios vs FSDP2
 eager and vs the bound, a loss-agreement guard, and writes JSON (``--out``); ``benchmarks/plot.py`` turns
@@ -64,7 +64,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import fsdp_compile
 from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_TINY, Llama, LlamaConfig
-from fsdp_compile.testing.profile import communication_overlap
+from fsdp_compile.testing.profile import communication_overlap, trace_steps
 
 MODELS = {"0.95b": LLAMA_0_95B, "tiny": LLAMA_TINY, "tiny-untied": dataclasses.replace(LLAMA_TINY, tie_embeddings=False)}
 PARAM_DTYPE, REDUCE_DTYPE = torch.bfloat16, torch.float32
@@ -296,15 +296,8 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namesp
         if device.type == "cuda":
             result.peak_gib = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
             if args.profile_steps:
-                activities = [torch.profiler.ProfilerActivity.CUDA]
-                if args.trace_dir:
-                    activities.append(torch.profiler.ProfilerActivity.CPU)
-                with torch.profiler.profile(activities=activities) as prof:
-                    for i in range(args.profile_steps):
-                        step(args.steps + i)
-                    _sync(device)
                 with tempfile.NamedTemporaryFile(suffix=".json") as trace:
-                    prof.export_chrome_trace(trace.name)
+                    trace_steps(lambda i: step(args.steps + i), args.profile_steps, trace.name, host=bool(args.trace_dir))
                     overlap = communication_overlap(trace.name, args.profile_steps)
                     if args.trace_dir:
                         _keep_trace(trace.name, args.trace_dir, f"{name}_{batch * seq}_rank{dist.get_rank()}")

@@ -9,12 +9,11 @@ import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fsdp_compile
 from fsdp_compile.testing.dist import spawn_ranks
 from fsdp_compile.testing.llama import Block, Llama, LlamaConfig
-from fsdp_compile.testing.profile import communication_overlap
+from fsdp_compile.testing.profile import communication_overlap, trace_steps
 
 STEPS = 3
 MEDIUM = LlamaConfig(vocab_size=8192, dim=1024, n_layers=8, n_heads=8, ffn_dim=2816, max_seq_len=2048)
@@ -33,19 +32,8 @@ def _profile(rank: int, world_size: int, out: str) -> None:
         tokens = torch.randint(0, MEDIUM.vocab_size, (2, 1025), device="cuda")
         for _ in range(3):
             compiled(tokens[:, :-1], tokens[:, 1:]).backward()
-        # Both ranks enter the traced steps together, and the profiler's start-up stays out of them (one
-        # warm-up step): a rank that starts late makes the other's NCCL kernels wait, and a trace of that
-        # wait says nothing about the schedule.
-        schedule = torch.profiler.schedule(wait=0, warmup=1, active=STEPS, repeat=1)
-        torch.cuda.synchronize()
-        dist.barrier()
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA], schedule=schedule) as prof:
-            for _ in range(1 + STEPS):
-                compiled(tokens[:, :-1], tokens[:, 1:]).backward()
-                prof.step()
-            torch.cuda.synchronize()
         with tempfile.NamedTemporaryFile(suffix=".json") as trace:
-            prof.export_chrome_trace(trace.name)
+            trace_steps(lambda i: compiled(tokens[:, :-1], tokens[:, 1:]).backward(), STEPS, trace.name)
             results[overlap] = communication_overlap(trace.name, steps=STEPS)
     if rank == 0:
         with open(out, "w") as f:

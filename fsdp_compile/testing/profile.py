@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
-__all__ = ["communication_overlap", "union"]
+import torch
+import torch.distributed as dist
+
+__all__ = ["communication_overlap", "trace_steps", "union"]
 
 Intervals = list[tuple[float, float]]
 
@@ -58,3 +62,24 @@ def communication_overlap(trace_path: str, steps: int = 1) -> dict[str, float]:
     per_step = {"comm": total, "exposed": total - overlapped, "overlapped": overlapped,
                 "compute": _length(compute_u), "idle": idle}
     return {k: v / 1e3 / steps for k, v in per_step.items()}
+
+
+def trace_steps(step: Callable[[int], object], steps: int, path: str, *, host: bool = False) -> None:
+    """Run ``step(0)`` .. ``step(steps)`` under the profiler and write the Chrome trace of the last
+    ``steps`` to ``path``. The ranks of the default group (if any) start together, and the first step is
+    the profiler's warm-up, not traced: a rank that starts late, or the profiler's own start-up, would
+    make the trace show kernels waiting instead of the schedule. ``host``: trace host-side ops too."""
+    activities = [torch.profiler.ProfilerActivity.CUDA]
+    if host:
+        activities.append(torch.profiler.ProfilerActivity.CPU)
+    schedule = torch.profiler.schedule(wait=0, warmup=1, active=steps, repeat=1)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    if dist.is_initialized():
+        dist.barrier()
+    with torch.profiler.profile(activities=activities, schedule=schedule) as prof:
+        for i in range(1 + steps):
+            step(i)
+            prof.step()
+        sync()
+    prof.export_chrome_trace(path)

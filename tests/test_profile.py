@@ -1,0 +1,43 @@
+"""The trace analysis behind the GPU overlap test and the benchmark's columns (CPU, synthetic traces)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from fsdp_compile.testing.profile import communication_overlap, trace_steps
+
+
+def _kernel(name: str, start: float, end: float) -> dict:
+    return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": end - start}
+
+
+def test_communication_overlap_splits_the_timeline(tmp_path: "os.PathLike[str]") -> None:
+    events = [
+        _kernel("ncclDevKernel_AllGather_RING_LL", 0, 10_000),  # us; half of it beside the first matmul
+        _kernel("nvjet_gemm", 5_000, 15_000),
+        _kernel("triton_poi_fused", 20_000, 30_000),  # after 5 ms with nothing running
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 40_000},  # host: not GPU time
+    ]
+    path = os.path.join(tmp_path, "trace.json")
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events}, f)
+    got = communication_overlap(path, steps=1)
+    assert got == pytest.approx({"comm": 10.0, "exposed": 5.0, "overlapped": 5.0, "compute": 20.0, "idle": 5.0})
+    assert communication_overlap(path, steps=2)["compute"] == pytest.approx(10.0)
+
+
+def test_trace_steps_leaves_the_warm_up_step_out(tmp_path: "os.PathLike[str]") -> None:
+    path = os.path.join(tmp_path, "trace.json")
+
+    def step(i: int) -> None:
+        with torch.profiler.record_function(f"step_{i}"):
+            torch.ones(8).sum()
+
+    trace_steps(step, 2, path, host=True)
+    with open(path) as f:
+        names = {e.get("name") for e in json.load(f)["traceEvents"]}
+    assert {"step_1", "step_2"} <= names and "step_0" not in names
