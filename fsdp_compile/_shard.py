@@ -328,9 +328,12 @@ def shard(
         by_unit.setdefault(param_units.pop(), []).append(param)
 
     unit_order = list(dict.fromkeys(unit_of.values()))
-    reshard = (lambda fqn: reshard_after_forward) if isinstance(reshard_after_forward, bool) else (
-        lambda fqn: bool(reshard_after_forward(fqn, module.get_submodule(fqn)))
-    )
+
+    def reshard(unit_fqn: str) -> bool:
+        if isinstance(reshard_after_forward, bool):
+            return reshard_after_forward
+        return bool(reshard_after_forward(unit_fqn, module.get_submodule(unit_fqn)))
+
     built = [
         _build_unit(unit_fqn, by_unit[unit_fqn], owners, group, world_size, rank, mp, reshard(unit_fqn))
         for unit_fqn in unit_order

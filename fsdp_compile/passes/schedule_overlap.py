@@ -10,8 +10,8 @@ Postcondition: the same nodes in a new, deterministic, topologically valid order
   all-gather (and its cast) just before unit i-prefetch's wait (the first ``prefetch`` + 1 before the
   first unit's wait); each all-gather's wait sits right before the first use of the gathered buffer;
 - each reduce-scatter stays where its input is ready; its wait, and what only the graph output needs from
-  it (the local sum of an all-to-all, the cast back to the shard's dtype), move down to just before the reduce-scatter that comes
-  ``max_inflight_reduce_scatters`` later, or to the end of the graph.
+  it (the local sum of an all-to-all, the cast back to the shard's dtype), move down to just before the
+  reduce-scatter that comes ``max_inflight_reduce_scatters`` later, or to the end of the graph.
 Nothing depends on the rank: every rank computes the same order. Inductor issues collectives and waits in
 graph order, so this order is the runtime order (see tests/test_codegen.py).
 
