@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 
 import torch
@@ -26,6 +27,11 @@ def _reshard_after_forward(rank: int, world_size: int) -> None:
     counters.clear()
     loss = model(tokens[:, :-1], tokens[:, 1:])
     assert len(gathered) == len(units)
+    # gloo's worker thread drops its handle on a finished collective (and so on its output) a moment after
+    # wait() returns: give it that moment, no more.
+    deadline = time.monotonic() + 5.0
+    while any(ref() is not None for ref in gathered) and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert all(ref() is None for ref in gathered), "a gathered unit outlived its forward"
     assert not live_gathers and all(u.gathered is None for u in units)
     loss.backward()
