@@ -3,22 +3,21 @@
     python benchmarks/trace_summary.py TRACE_DIR [--steps 2] [--top 12]
 
 Per trace (one system, point and rank), per step: GPU time by kernel class (matmul, attention, NCCL
-all-gather / reduce-scatter, other), the time each class spends alone vs beside NCCL (the slowdown of
-compute under communication shows as a longer per-kernel time than in the bound's trace), the largest
-host-side ops, and the host time spent blocked in synchronizing CUDA calls.
+all-gather / reduce-scatter, other) and how much of each class ran beside communication (compute slowed
+down by communication shows as more time than in the bound's trace), the largest kernels, and the
+largest host-side ops (inclusive time).
 """
 
 from __future__ import annotations
 
 import argparse
-import bisect
 import gzip
 import json
 import os
 from collections import defaultdict
 from collections.abc import Iterator
 
-from fsdp_compile.testing.profile import union
+from fsdp_compile.testing.profile import intersect, is_communication, length, union
 
 CLASSES = (
     ("allgather", ("allgather",)),
@@ -42,29 +41,18 @@ def _load(path: str) -> list[dict]:
         return json.load(f)["traceEvents"]
 
 
-def _beside(start: float, end: float, spans: list[tuple[float, float]], starts: list[float]) -> float:
-    """How long [start, end) overlaps the sorted, disjoint ``spans``."""
-    i = max(bisect.bisect_right(starts, start) - 1, 0)
-    total = 0.0
-    while i < len(spans) and spans[i][0] < end:
-        total += max(0.0, min(end, spans[i][1]) - max(start, spans[i][0]))
-        i += 1
-    return total
-
-
 def summarize(path: str, steps: int, top: int) -> Iterator[str]:
     events = [e for e in _load(path) if e.get("ph") == "X"]
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
-    nccl = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if "nccl" in e["name"].lower()])
-    nccl_starts = [a for a, _ in nccl]
+    comm = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if is_communication(e["name"])])
     by_class: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
     by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in kernels:
         cls = kernel_class(e["name"])
         by_class[cls][0] += e["dur"]
         by_class[cls][1] += 1
-        if not cls.startswith(("allgather", "reducescatter", "nccl")):
-            by_class[cls][2] += _beside(e["ts"], e["ts"] + e["dur"], nccl, nccl_starts)
+        if not is_communication(e["name"]):
+            by_class[cls][2] += length(intersect([(e["ts"], e["ts"] + e["dur"])], comm))
         by_name[e["name"][:90]][0] += e["dur"]
         by_name[e["name"][:90]][1] += 1
     first = min(e["ts"] for e in kernels)

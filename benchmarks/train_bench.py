@@ -200,7 +200,7 @@ def _cudagraphs(make: Callable[[Llama, torch.device], Prepared], model: Llama, d
 
 EXPERIMENTS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
     "no_comm_bound_cudagraphs": partial(_cudagraphs, no_comm_bound),
-    "fsdp_compile_cudagraphs": partial(_cudagraphs, partial(_fsdp_compile, ({}, {}))),
+    "fsdp_compile_cudagraphs": partial(_cudagraphs, partial(_fsdp_compile, FSDP_COMPILE_VARIANTS["fsdp_compile"])),
 }
 """Systems run only when named in --systems."""
 

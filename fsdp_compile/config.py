@@ -64,8 +64,9 @@ class BackendConfig:
     of prefetch keeps one more gathered unit alive."""
 
     max_inflight_reduce_scatters: int = 2
-    """Reduce-scatters allowed in flight at once in backward; each holds its unit's gradient buffer (in
-    ``reduce_dtype``) until it is waited for."""
+    """Gradient reductions (reduce-scatters, or all-to-alls: see ``MixedPrecision``) allowed in flight at
+    once in backward; each holds its unit's gradient buffer, in the dtype it travels in, until it is waited
+    for."""
 
     def __post_init__(self) -> None:
         if self.compiler not in ("inductor", "aot_eager"):

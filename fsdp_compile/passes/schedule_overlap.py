@@ -94,7 +94,7 @@ def _input_chain(ag: fx.Node) -> list[fx.Node] | None:
     return chain if isinstance(source, fx.Node) and source.op == "placeholder" else None
 
 
-def _tail(wait: fx.Node, output: fx.Node) -> list[fx.Node]:
+def _tail(wait: fx.Node, output: fx.Node, position: dict[fx.Node, int]) -> list[fx.Node]:
     """``wait`` and the nodes after it that serve only the graph output (the local sum of an exchange, the
     cast to the shard's dtype), in graph order."""
     tail = {wait}
@@ -109,7 +109,6 @@ def _tail(wait: fx.Node, output: fx.Node) -> list[fx.Node]:
         outside = {n for n in tail if n is not wait and any(u is not output and u not in tail for u in n.users)}
         changed = bool(outside)
         tail -= outside
-    position = {n: i for i, n in enumerate(wait.graph.nodes)}
     return sorted(tail, key=position.__getitem__)
 
 
@@ -133,7 +132,7 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_reduce_scatters
     scatters = []  # (rs, tail)
     for node in nodes:
         if node.target in _REDUCTIONS and (wait := _wait_of(node)) is not None:
-            scatters.append((node, _tail(wait, output)))
+            scatters.append((node, _tail(wait, output, position)))
 
     moved = {n for _, ag, wait, chain in gathers for n in (*chain, ag, wait)}
     moved |= {n for _, tail in scatters for n in tail}

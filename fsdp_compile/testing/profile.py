@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["communication_overlap", "trace_steps", "union"]
+__all__ = ["communication_overlap", "intersect", "is_communication", "length", "trace_steps", "union"]
 
 Intervals = list[tuple[float, float]]
 
@@ -23,11 +23,12 @@ def union(intervals: Intervals) -> Intervals:
     return [(a, b) for a, b in merged]
 
 
-def _length(intervals: Intervals) -> float:
+def length(intervals: Intervals) -> float:
     return sum(b - a for a, b in intervals)
 
 
-def _intersect(xs: Intervals, ys: Intervals) -> Intervals:
+def intersect(xs: Intervals, ys: Intervals) -> Intervals:
+    """The overlap of two sorted, disjoint interval lists."""
     out, i, j = [], 0, 0
     while i < len(xs) and j < len(ys):
         start, end = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
@@ -38,6 +39,11 @@ def _intersect(xs: Intervals, ys: Intervals) -> Intervals:
         else:
             j += 1
     return out
+
+
+def is_communication(kernel_name: str) -> bool:
+    """A NCCL kernel or a peer-to-peer copy."""
+    return "nccl" in kernel_name.lower() or "PtoP" in kernel_name
 
 
 def communication_overlap(trace_path: str, steps: int = 1) -> dict[str, float]:
@@ -52,15 +58,14 @@ def communication_overlap(trace_path: str, steps: int = 1) -> dict[str, float]:
         if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy"):
             continue
         span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        is_comm = "nccl" in e["name"].lower() or "PtoP" in e["name"]
-        (comm if is_comm else compute).append(span)
+        (comm if is_communication(e["name"]) else compute).append(span)
     comm_u, compute_u = union(comm), union(compute)
     busy = union(comm_u + compute_u)
-    overlapped = _length(_intersect(comm_u, compute_u))
-    total = _length(comm_u)
-    idle = busy[-1][1] - busy[0][0] - _length(busy) if busy else 0.0
+    overlapped = length(intersect(comm_u, compute_u))
+    total = length(comm_u)
+    idle = busy[-1][1] - busy[0][0] - length(busy) if busy else 0.0
     per_step = {"comm": total, "exposed": total - overlapped, "overlapped": overlapped,
-                "compute": _length(compute_u), "idle": idle}
+                "compute": length(compute_u), "idle": idle}
     return {k: v / 1e3 / steps for k, v in per_step.items()}
 
 
