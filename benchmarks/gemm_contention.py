@@ -6,7 +6,9 @@ matmuls running beside it (the SMs NCCL takes). Optionally with SMs reserved for
 
 Collectives: all-gather bf16 (forward/backward), reduce-scatter fp32 (FSDP2's gradient reduction with an
 fp32 reduce dtype) and all-to-all bf16 (the same reduction done as an exchange of bf16 gradients followed
-by a local fp32 sum).
+by a local fp32 sum); where torch has them, all-gathers by copy engine (peer memcpy from symmetric memory,
+``torch.ops.symm_mem._low_contention_all_gather``), from a symmetric input and from a plain one (copied
+into the group's symmetric workspace first).
 """
 
 from __future__ import annotations
@@ -58,6 +60,30 @@ def _beside(matmul: Callable[[], object], count: int, collective: Callable[[], o
     return sum(s.elapsed_time(e) for s, e in events[1:]) / reps / count
 
 
+def _copy_engine_all_gathers(shard: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """Copy-engine all-gathers of ``shard`` (empty where this torch lacks them)."""
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        gather = torch.ops.symm_mem._low_contention_all_gather
+    except (ImportError, AttributeError):
+        return {}
+    group = dist.group.WORLD.group_name
+    if hasattr(symm_mem, "enable_symm_mem_for_group"):
+        symm_mem.enable_symm_mem_for_group(group)
+    symmetric = symm_mem.empty(shard.shape, dtype=shard.dtype, device=shard.device).copy_(shard)
+    symm_mem.rendezvous(symmetric, group)
+    symm_mem.get_symm_mem_workspace(group, shard.numel() * shard.element_size())
+
+    def run(t: torch.Tensor) -> None:
+        torch.ops._c10d_functional.wait_tensor(gather(t, group))
+
+    return {
+        "all-gather bf16, copy engine": lambda: run(symmetric),
+        "all-gather bf16, copy engine, workspace": lambda: run(shard),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--carveout", type=int, nargs="*", default=[])
@@ -83,6 +109,7 @@ def main() -> None:
         "reduce-scatter fp32": lambda: dist.reduce_scatter_tensor(shard32, full32, op=dist.ReduceOp.AVG),
         "all-to-all bf16": lambda: dist.all_to_all_single(out16, full16),
         "all-to-all bf16 + fp32 sum": a2a_and_sum,
+        **_copy_engine_all_gathers(shard16),
     }
     comm = torch.cuda.Stream()
     alone = {name: _time(fn, args.reps) for name, fn in collectives.items()}

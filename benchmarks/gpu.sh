@@ -3,6 +3,7 @@
 #   OUT=/tmp/out bash benchmarks/gpu.sh                         # GPU tests + benchmark at 1024 and 4096 tokens/GPU
 #   OUT=/tmp/out TESTS=0 TOKENS="2048 8192" bash benchmarks/gpu.sh   # more sweep points only
 #   SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile" bash benchmarks/gpu.sh    # a subset of the systems
+#   OUT=/tmp/out BENCH=0 CONTENTION=1 bash benchmarks/gpu.sh      # GPU tests + gemm_contention.py, no benchmark
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fsdp_compile_gpu}
@@ -17,10 +18,16 @@ python3 -m pip install --no-deps --no-build-isolation -q -e . >"$OUT/install.log
 if [ "${TESTS:-1}" = 1 ]; then
   timeout 300 python3 -m pytest -q -s -m gpu -p no:cacheprovider tests >"$OUT/pytest_gpu.log" 2>&1
 fi
+if [ "${CONTENTION:-0}" = 1 ]; then
+  timeout 120 torchrun --nproc_per_node 2 benchmarks/gemm_contention.py >"$OUT/contention.log" 2>&1
+fi
 tag=$(echo "$TOKENS" | tr ' ' '_')
-torchrun --nproc_per_node 2 benchmarks/train_bench.py --tokens $TOKENS ${SYSTEMS:+--systems $SYSTEMS} --out "$OUT/bench_$tag.json" \
-  >"$OUT/bench_$tag.log" 2>&1; echo "train_bench exit $?"
+if [ "${BENCH:-1}" = 1 ]; then
+  torchrun --nproc_per_node 2 benchmarks/train_bench.py --tokens $TOKENS ${SYSTEMS:+--systems $SYSTEMS} --out "$OUT/bench_$tag.json" \
+    >"$OUT/bench_$tag.log" 2>&1; echo "train_bench exit $?"
+fi
 
 echo "== summary =="
-[ -f "$OUT/pytest_gpu.log" ] && grep -E "^overlap o|passed|failed|skipped|rror" "$OUT/pytest_gpu.log" | tail -n 6
-grep -E "^\||^## |^loss guard|^[0-9]+ tokens/GPU" "$OUT/bench_$tag.log" || tail -n 60 "$OUT/bench_$tag.log"
+[ -f "$OUT/pytest_gpu.log" ] && grep -E "^overlap o|passed|failed|skipped|rror" "$OUT/pytest_gpu.log" | tail -n 8
+[ -f "$OUT/contention.log" ] && grep -E "alone|^\| |rror" "$OUT/contention.log" | tail -n 40
+[ -f "$OUT/bench_$tag.log" ] && { grep -E "^\||^## |^loss guard|^[0-9]+ tokens/GPU" "$OUT/bench_$tag.log" || tail -n 60 "$OUT/bench_$tag.log"; }

@@ -11,16 +11,17 @@ projection, which backward needs first, is not resharded after forward):
 - ``no_comm_bound``: the same per-GPU work with no collective: each rank trains the whole model on its
   own micro-batch (fsdp_compile over a group of one rank: bf16 casts, fp32 main weights, full optimizer
   step). Its loss differs from the others after step 0 (no gradient averaging), so the loss guard checks
-  its step 0 only.
+  its step 0 only. ``no_comm_bound_cudagraphs``: the same with CUDA graphs (the bound for
+  ``fsdp_compile_cudagraphs``).
 - ``fsdp2_eager``: ``fully_shard`` per unit and on the root.
 - ``fsdp2_compile``: each block ``torch.compile``d, then ``fully_shard`` (torchtitan's order).
 - ``simplefsdp``: written from SimpleFSDP's description: parameters as DTensor ``Shard(0)``, a
   parametrization redistributes them to ``Replicate`` (bf16 forward, fp32 backward) under a
   MUST_RECOMPUTE checkpoint policy (reshard after forward), whole model compiled with Inductor's
   overlap scheduling and bucketing (on GPUs).
-- ``fsdp_compile`` and its variants (``FSDP_COMPILE_VARIANTS``: one line each).
-- only when named in ``--systems``: ``no_comm_bound_cudagraphs``, ``fsdp_compile_cudagraphs`` (Inductor's
-  CUDA graphs: no launch overhead).
+- ``fsdp_compile`` and its variants (``FSDP_COMPILE_VARIANTS``: one line each), among them
+  ``fsdp_compile_cudagraphs`` (``backend(cudagraphs=True)``: no launch overhead). Systems with CUDA graphs
+  report a low peak memory: ``max_memory_allocated`` does not see tensors inside the graphs' pool.
 
 Per point of the sweep (tokens per GPU = batch x seq; seq up to 2048): median step time over the steps after
 --warmup, tokens/s/GPU, MFU (6 x matmul params + 12 x layers x dim x seq FLOPs per token, over the card's
@@ -75,6 +76,7 @@ FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fsdp_compile": ({}, {}),
     "fsdp_compile_no_overlap": ({"overlap": False}, {}),
     "fsdp_compile_reduce_scatter": ({}, {"exchange_grads_in_param_dtype": False}),
+    "fsdp_compile_cudagraphs": ({"cudagraphs": True}, {}),
 }
 """fsdp_compile variants: name -> (``fsdp_compile.backend(**options)``, ``MixedPrecision(**options)`` beyond
 bf16/fp32). Add one line per new variant."""
@@ -110,10 +112,22 @@ def _shard(model: Llama, group: dist.ProcessGroup | None = None, **mp_options: A
                        reshard_after_forward=lambda fqn, m: m is not last)
 
 
-def no_comm_bound(model: Llama, device: torch.device) -> Prepared:
+def _compiled(model: Llama, backend_options: dict[str, Any]) -> Prepared:
+    compiled = torch.compile(model, backend=fsdp_compile.backend(**backend_options), fullgraph=True)
+    if not backend_options.get("cudagraphs"):
+        return Prepared(compiled, list(model.parameters()))
+
+    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()
+        return compiled(inputs, targets)
+
+    return Prepared(step, list(model.parameters()))  # type: ignore[arg-type]
+
+
+def no_comm_bound(model: Llama, device: torch.device, **backend_options: Any) -> Prepared:
     alone, _ = dist.new_subgroups(group_size=1)
     _shard(model, alone)
-    return Prepared(torch.compile(model, backend="fsdp_compile", fullgraph=True), list(model.parameters()))
+    return _compiled(model, backend_options)
 
 
 def fsdp2_eager(model: Llama, device: torch.device, compile_blocks: bool = False) -> Prepared:
@@ -180,33 +194,12 @@ def simplefsdp(model: Llama, device: torch.device) -> Prepared:
 def _fsdp_compile(options: tuple[dict[str, Any], dict[str, Any]], model: Llama, device: torch.device) -> Prepared:
     backend_options, mp_options = options
     _shard(model, **mp_options)
-    compiled = torch.compile(model, backend=fsdp_compile.backend(**backend_options), fullgraph=True)
-    return Prepared(compiled, list(model.parameters()))
+    return _compiled(model, backend_options)
 
-
-def _cudagraphs(make: Callable[[Llama, torch.device], Prepared], model: Llama, device: torch.device) -> Prepared:
-    """``make``'s system with Inductor's CUDA graphs (each step one graph replay per compiled graph).
-    Its peak memory reads low: ``max_memory_allocated`` does not see tensors inside the graphs' pool."""
-    from torch._inductor import config
-
-    prepared = make(model, device)
-
-    def step(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        torch.compiler.cudagraph_mark_step_begin()
-        return prepared.module(inputs, targets)
-
-    return Prepared(step, prepared.params, partial(config.patch, {"triton.cudagraphs": True}))  # type: ignore[arg-type]
-
-
-EXPERIMENTS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
-    "no_comm_bound_cudagraphs": partial(_cudagraphs, no_comm_bound),
-    "fsdp_compile_cudagraphs": partial(_cudagraphs, partial(_fsdp_compile, FSDP_COMPILE_VARIANTS["fsdp_compile"])),
-}
-"""Systems run only when named in --systems."""
 
 SYSTEMS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
-    **EXPERIMENTS,
     "no_comm_bound": no_comm_bound,
+    "no_comm_bound_cudagraphs": partial(no_comm_bound, cudagraphs=True),
     "fsdp2_eager": fsdp2_eager,
     "fsdp2_compile": partial(fsdp2_eager, compile_blocks=True),
     "simplefsdp": simplefsdp,
@@ -376,7 +369,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="fsdp_compile vs FSDP2, SimpleFSDP-style and the bound, in one run.")
     parser.add_argument("--model", choices=sorted(MODELS), default="0.95b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096], help="tokens per GPU (sweep points)")
-    parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), default=[s for s in SYSTEMS if s not in EXPERIMENTS])
+    parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), default=list(SYSTEMS))
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of timing and peak memory")
     parser.add_argument("--profile-steps", type=int, default=2, help="extra steps traced for exposed communication")

@@ -41,11 +41,13 @@ def _schedule(config: BackendConfig) -> ScheduleOverlap | None:
 
 def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
     """Inductor settings for the forward and backward compiles: our scheduling pass, and, when it runs,
-    no peak-memory reordering after it (that reordering would issue each all-gather at its use again)."""
+    no peak-memory reordering after it (that reordering would issue each all-gather at its use again);
+    CUDA graphs when asked for."""
+    settings: dict[str, Any] = {"triton.cudagraphs": True} if config.cudagraphs else {}
     schedule = _schedule(config)
-    if schedule is None:
-        return {}
-    return {"post_grad_custom_post_pass": schedule, "reorder_for_peak_memory": False}
+    if schedule is not None:
+        settings.update(post_grad_custom_post_pass=schedule, reorder_for_peak_memory=False)
+    return settings
 
 
 def _inductor_inner_compile(config: BackendConfig) -> Callable[..., Any]:

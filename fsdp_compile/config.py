@@ -68,9 +68,24 @@ class BackendConfig:
     once in backward; each holds its unit's gradient buffer, in the dtype it travels in, until it is waited
     for."""
 
+    cudagraphs: bool = False
+    """Run the forward and backward graphs as CUDA graphs (Inductor's ``triton.cudagraphs``): one replay
+    per graph instead of one launch per kernel and collective. For steps the host cannot enqueue as fast
+    as the GPUs run them (small batches: a step is launch-bound when its host time is close to its GPU
+    time). Call ``torch.compiler.cudagraph_mark_step_begin()`` at the start of every training step, and
+    read a step's outputs (e.g. ``loss.item()``) before the next step, which reuses their memory. Graphs
+    on CPU tensors run without (Inductor logs why). Needs ``compiler="inductor"``."""
+
     def __post_init__(self) -> None:
         if self.compiler not in ("inductor", "aot_eager"):
             raise ValueError(f"compiler must be 'inductor' or 'aot_eager', got {self.compiler!r}")
+        if not isinstance(self.cudagraphs, bool):
+            raise TypeError(f"cudagraphs must be a bool, got {self.cudagraphs!r}")
+        if self.cudagraphs and self.compiler != "inductor":
+            raise ValueError(
+                "cudagraphs=True needs compiler='inductor' (CUDA graphs are an Inductor feature), "
+                f"got compiler={self.compiler!r}"
+            )
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"prefetch must be an int >= 0 (units issued ahead), got {self.prefetch!r}")
         if not isinstance(self.max_inflight_reduce_scatters, int) or self.max_inflight_reduce_scatters < 1:

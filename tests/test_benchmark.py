@@ -25,8 +25,8 @@ def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]
     with open(out) as f:
         data = json.load(f)
     systems = {r["system"] for r in data["results"]}
-    assert systems == {"no_comm_bound", "fsdp2_eager", "fsdp2_compile", "simplefsdp", "fsdp_compile", "fsdp_compile_no_overlap",
-                       "fsdp_compile_reduce_scatter"}
+    assert systems == {"no_comm_bound", "no_comm_bound_cudagraphs", "fsdp2_eager", "fsdp2_compile", "simplefsdp", "fsdp_compile",
+                       "fsdp_compile_no_overlap", "fsdp_compile_reduce_scatter", "fsdp_compile_cudagraphs"}
     assert all(len(r["losses"]) == 3 for r in data["results"])
     # Each system is gone before the next one is measured (its memory would count in the next peak).
     assert all(r["extra"]["model_freed"] for r in data["results"]), [r["system"] for r in data["results"]]

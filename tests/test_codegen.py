@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -85,3 +86,16 @@ def test_without_the_pass_no_all_gather_overlaps() -> None:
     forward, backward = _code(fsdp_compile.backend(overlap=False))
     assert _overlapped_gathers(forward) == 0
     assert _overlapped_gathers(backward) == 0
+
+
+@pytest.mark.slow
+def test_cudagraphs_option_reaches_inductor() -> None:
+    """``backend(cudagraphs=True)`` turns on Inductor's CUDA graphs. On CPU the forward compile records why
+    it skips them (once: the backward compile takes the forward's decision), which shows the setting
+    arrived; on GPUs ``test_parity_nccl_inductor[cudagraphs]`` checks that the graphs run."""
+    counters.clear()
+    _code(fsdp_compile.backend(cudagraphs=True))
+    assert counters["inductor"]["cudagraph_skips"] == 1, dict(counters["inductor"])
+    counters.clear()
+    _code(fsdp_compile.backend())
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])

@@ -133,6 +133,19 @@ def test_unknown_backend_option() -> None:
         fsdp_compile.backend(prefetch_depth=2)
 
 
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"cudagraphs": 1}, TypeError, "cudagraphs must be a bool, got 1"),
+        ({"cudagraphs": True, "compiler": "aot_eager"}, ValueError, "cudagraphs=True needs compiler='inductor'"),
+    ],
+    ids=["not-a-bool", "without-inductor"],
+)
+def test_bad_cudagraphs_option(options: dict, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        fsdp_compile.backend(**options)
+
+
 def test_not_sharded() -> None:
     with pytest.raises(ValueError, match="is not sharded: call fsdp_compile.shard"):
         fsdp_compile.full_state_dict(Llama(LLAMA_TINY))

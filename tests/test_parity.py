@@ -108,6 +108,7 @@ class Case:
     overlap: bool = True  # the schedule_overlap pass
     exchange: bool = True  # MixedPrecision.exchange_grads_in_param_dtype (matters when param_dtype is narrower)
     keep_root_gathered: bool = False  # shard(reshard_after_forward=...) false for the root unit
+    cudagraphs: bool = False  # BackendConfig.cudagraphs (CUDA graphs: GPU only)
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:
@@ -138,7 +139,7 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
     if case.compiler == "eager":
         run = model
     else:
-        backend = fsdp_compile.backend(compiler=case.compiler, overlap=case.overlap)
+        backend = fsdp_compile.backend(compiler=case.compiler, overlap=case.overlap, cudagraphs=case.cudagraphs)
         run = torch.compile(model, backend=backend, fullgraph=not case.graph_break)
     opt = torch.optim.AdamW(_param_groups(model), lr=LR)
     ref_opt = torch.optim.AdamW(_param_groups(ref), lr=LR)
@@ -153,9 +154,11 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
             local = tokens[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
             last = micro == case.micro_batches - 1
             fsdp_compile.set_requires_gradient_sync(model, case.gradient_sync or last)
+            if case.cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
             loss = run(local[:, :-1], local[:, 1:])
             loss.backward()
-            losses.append(loss.detach())
+            losses.append(loss.detach().clone())  # a CUDA graph's next replay overwrites its outputs
             ref_losses.append(reference_step(ref, tokens, case.param_dtype, world_size))
         grads = full_grads(model)
         grad_errors = {n: rel_error(grads[n], p.grad) for n, p in ref.named_parameters()}
@@ -184,6 +187,8 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
             print(f"parity {case} world {world_size} step {step}: loss {global_loss.item():.5f} rel {loss_err:.1e}; "
                   f"worst grad {worst_grad} rel {grad_errors[worst_grad]:.1e}; worst param {worst} rel {errors[worst]:.1e}")
         assert errors[worst] <= param_tol, f"step {step}: {worst} rel. error {errors[worst]:.2e} > {param_tol}"
+    if case.cudagraphs:
+        assert counters["inductor"]["cudagraph_skips"] == 0, "Inductor skipped CUDA graphs (its log says why)"
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -264,7 +269,10 @@ def test_parity_world_size_one() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
 @pytest.mark.parametrize(
-    "dtype, param_dtype", [(torch.float64, torch.float64), (torch.float32, torch.bfloat16)], ids=["fp64", "bf16-fp32reduce"]
+    "dtype, param_dtype, cudagraphs",
+    [(torch.float64, torch.float64, False), (torch.float32, torch.bfloat16, False), (torch.float32, torch.bfloat16, True)],
+    ids=["fp64", "bf16-fp32reduce", "bf16-fp32reduce-cudagraphs"],
 )
-def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype) -> None:
-    spawn_ranks(_train_and_compare, 2, Case("inductor", dtype, param_dtype, device="cuda"), backend="nccl")
+def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype, cudagraphs: bool) -> None:
+    case = Case("inductor", dtype, param_dtype, device="cuda", cudagraphs=cudagraphs)
+    spawn_ranks(_train_and_compare, 2, case, backend="nccl")
