@@ -20,8 +20,10 @@ projection, which backward needs first, is not resharded after forward):
   MUST_RECOMPUTE checkpoint policy (reshard after forward), whole model compiled with Inductor's
   overlap scheduling and bucketing (on GPUs).
 - ``fsdp_compile`` and its variants (``FSDP_COMPILE_VARIANTS``: one line each), among them
-  ``fsdp_compile_cudagraphs`` (``backend(cudagraphs=True)``: no launch overhead). Systems with CUDA graphs
-  report a low peak memory: ``max_memory_allocated`` does not see tensors inside the graphs' pool.
+  ``fsdp_compile_cudagraphs`` (``backend(cudagraphs=True)``: no launch overhead) and
+  ``fsdp_compile_copy_engine`` (``backend(all_gather="copy_engine")``: all-gathers off the SMs; GPU only).
+  Systems with CUDA graphs report a low peak memory: ``max_memory_allocated`` does not see tensors inside
+  the graphs' pool.
 
 Per point of the sweep (tokens per GPU = batch x seq; seq up to 2048): median step time over the steps after
 --warmup, tokens/s/GPU, MFU (6 x matmul params + 12 x layers x dim x seq FLOPs per token, over the card's
@@ -77,9 +79,13 @@ FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fsdp_compile_no_overlap": ({"overlap": False}, {}),
     "fsdp_compile_reduce_scatter": ({}, {"exchange_grads_in_param_dtype": False}),
     "fsdp_compile_cudagraphs": ({"cudagraphs": True}, {}),
+    "fsdp_compile_copy_engine": ({"all_gather": "copy_engine"}, {}),
+    "fsdp_compile_copy_engine_cudagraphs": ({"all_gather": "copy_engine", "cudagraphs": True}, {}),
 }
 """fsdp_compile variants: name -> (``fsdp_compile.backend(**options)``, ``MixedPrecision(**options)`` beyond
 bf16/fp32). Add one line per new variant."""
+GPU_ONLY = {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items() if options.get("all_gather") == "copy_engine"}
+"""Left out of the default systems on CPU (copy-engine all-gathers need GPUs)."""
 
 
 @dataclass
@@ -369,17 +375,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="fsdp_compile vs FSDP2, SimpleFSDP-style and the bound, in one run.")
     parser.add_argument("--model", choices=sorted(MODELS), default="0.95b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096], help="tokens per GPU (sweep points)")
-    parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), help="default: all (on CPU: all but GPU_ONLY)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of timing and peak memory")
     parser.add_argument("--profile-steps", type=int, default=2, help="extra steps traced for exposed communication")
     parser.add_argument("--out", help="write the JSON results to this file")
     parser.add_argument("--trace-dir", help="keep each system's profiler trace (CPU and CUDA) here, per rank")
     args = parser.parse_args()
-    if "fsdp2_eager" not in args.systems or "no_comm_bound" not in args.systems:
+    if args.systems and ("fsdp2_eager" not in args.systems or "no_comm_bound" not in args.systems):
         parser.error("--systems must include fsdp2_eager and no_comm_bound (the tables' references)")
     cfg = MODELS[args.model]
     use_cuda = torch.cuda.is_available()
+    args.systems = args.systems or [s for s in SYSTEMS if use_cuda or s not in GPU_ONLY]
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if use_cuda else "gloo")

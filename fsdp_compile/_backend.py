@@ -1,14 +1,15 @@
 """The ``fsdp_compile`` torch.compile backend: the pass pipeline, then AOTAutograd and Inductor.
 
 Pipeline (see DESIGN.md): ``map_units`` -> ``insert_collectives`` on the Dynamo graph; AOTAutograd with
-``reshard_after_forward`` on the joint graph before partitioning; ``schedule_overlap`` on the forward and
-backward graphs (Inductor's post-grad graphs, or the AOT graphs under ``aot_eager``); Inductor (or
-``aot_eager``) compiles them.
+``reshard_after_forward`` on the joint graph before partitioning; ``schedule_overlap``, then (with
+``all_gather="copy_engine"``) ``lower_to_symm_mem``, on the forward and backward graphs (Inductor's
+post-grad graphs, or the AOT graphs under ``aot_eager``); Inductor (or ``aot_eager``) compiles them.
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,9 +21,11 @@ from torch._functorch.aot_autograd import make_boxed_func
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch._inductor import config as inductor_config
 from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fsdp_compile import debug
 from fsdp_compile.config import BackendConfig
+from fsdp_compile.lowering.lower_to_symm_mem import LowerToSymmMem
 from fsdp_compile.passes.insert_collectives import apply_collectives, plan_collectives
 from fsdp_compile.passes.map_units import plan_unit_inputs
 from fsdp_compile.passes.reshard_after_forward import ReshardAfterForward
@@ -33,20 +36,42 @@ __all__ = ["backend", "fsdp_compile_backend"]
 log = logging.getLogger(__name__)
 
 
-def _schedule(config: BackendConfig) -> ScheduleOverlap | None:
-    if not config.overlap:
-        return None
-    return ScheduleOverlap(prefetch=config.prefetch, max_inflight_reduce_scatters=config.max_inflight_reduce_scatters)
+class _PostGradPasses(CustomGraphPass):
+    """Our passes over the forward and backward graphs, in order, as Inductor's one
+    ``post_grad_custom_post_pass`` (torch 2.11 takes a single pass)."""
+
+    def __init__(self, passes: Sequence[CustomGraphPass]) -> None:
+        self.passes = tuple(passes)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self) -> bytes:
+        return hashlib.sha256(b"".join(p.uuid() for p in self.passes)).digest()
+
+
+def _post_grad_passes(config: BackendConfig) -> _PostGradPasses | None:
+    passes: list[CustomGraphPass] = []
+    if config.overlap:
+        passes.append(
+            ScheduleOverlap(prefetch=config.prefetch, max_inflight_reduce_scatters=config.max_inflight_reduce_scatters)
+        )
+    if config.all_gather == "copy_engine":
+        passes.append(LowerToSymmMem())
+    return _PostGradPasses(passes) if passes else None
 
 
 def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
-    """Inductor settings for the forward and backward compiles: our scheduling pass, and, when it runs,
-    no peak-memory reordering after it (that reordering would issue each all-gather at its use again);
-    CUDA graphs when asked for."""
+    """Inductor settings for the forward and backward compiles: our post-grad passes; when the overlap
+    schedule runs, no peak-memory reordering after it (that reordering would issue each all-gather at its
+    use again); CUDA graphs when asked for."""
     settings: dict[str, Any] = {"triton.cudagraphs": True} if config.cudagraphs else {}
-    schedule = _schedule(config)
-    if schedule is not None:
-        settings.update(post_grad_custom_post_pass=schedule, reorder_for_peak_memory=False)
+    passes = _post_grad_passes(config)
+    if passes is not None:
+        settings["post_grad_custom_post_pass"] = passes
+    if config.overlap:
+        settings["reorder_for_peak_memory"] = False
     return settings
 
 
@@ -64,9 +89,9 @@ def _inductor_inner_compile(config: BackendConfig) -> Callable[..., Any]:
 
 def _eager_compiler(stage: debug.Stage, config: BackendConfig) -> Callable[..., Any]:
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        schedule = _schedule(config)
-        if schedule is not None:
-            schedule(gm.graph)
+        passes = _post_grad_passes(config)
+        if passes is not None:
+            passes(gm.graph)
             gm.recompile()
         debug.record(stage, gm)
         return make_boxed_func(gm.forward)

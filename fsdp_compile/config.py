@@ -68,6 +68,12 @@ class BackendConfig:
     once in backward; each holds its unit's gradient buffer, in the dtype it travels in, until it is waited
     for."""
 
+    all_gather: Literal["nccl", "copy_engine"] = "nccl"
+    """How the units' all-gathers run on GPUs. ``"nccl"``: NCCL kernels (they hold SMs while they run).
+    ``"copy_engine"``: peer-to-peer memcpys through symmetric memory, on the GPUs' copy engines, leaving
+    the SMs to the matmuls they overlap with (``fsdp_compile/lowering/lower_to_symm_mem.py``). Needs CUDA
+    tensors, a torch with symmetric memory, and GPUs with peer access (NVLink)."""
+
     cudagraphs: bool = False
     """Run the forward and backward graphs as CUDA graphs (Inductor's ``triton.cudagraphs``): one replay
     per graph instead of one launch per kernel and collective. For steps the host cannot enqueue as fast
@@ -79,6 +85,8 @@ class BackendConfig:
     def __post_init__(self) -> None:
         if self.compiler not in ("inductor", "aot_eager"):
             raise ValueError(f"compiler must be 'inductor' or 'aot_eager', got {self.compiler!r}")
+        if self.all_gather not in ("nccl", "copy_engine"):
+            raise ValueError(f"all_gather must be 'nccl' or 'copy_engine', got {self.all_gather!r}")
         if not isinstance(self.cudagraphs, bool):
             raise TypeError(f"cudagraphs must be a bool, got {self.cudagraphs!r}")
         if self.cudagraphs and self.compiler != "inductor":

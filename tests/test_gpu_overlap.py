@@ -1,6 +1,7 @@
 """On 2 GPUs: with schedule_overlap, all-gather and reduce-scatter kernels run concurrently with compute
-kernels (profiler trace), where without the pass they do not. (How much time that saves is the
-benchmark's business: tests assert behaviour, not timings.)"""
+kernels (profiler trace), where without the pass they do not; with ``all_gather="copy_engine"`` the
+all-gathers are memcpys, not NCCL kernels, and they too run beside compute. (How much time that saves is
+the benchmark's business: tests assert behaviour, not timings.)"""
 
 from __future__ import annotations
 
@@ -13,39 +14,61 @@ import torch
 import fsdp_compile
 from fsdp_compile.testing.dist import spawn_ranks
 from fsdp_compile.testing.llama import Block, Llama, LlamaConfig
-from fsdp_compile.testing.profile import communication_overlap, trace_steps
+from fsdp_compile.testing.profile import (
+    communication_overlap,
+    gpu_activity,
+    intersect,
+    is_communication,
+    length,
+    trace_steps,
+    union,
+)
 
 STEPS = 3
 MEDIUM = LlamaConfig(vocab_size=8192, dim=1024, n_layers=8, n_heads=8, ffn_dim=2816, max_seq_len=2048)
 
 
+CONFIGS = {"on": {}, "off": {"overlap": False}, "copy_engine": {"all_gather": "copy_engine"}}
+"""The overlap pass on (NCCL all-gathers), off, and on with copy-engine all-gathers."""
 def _profile(rank: int, world_size: int, out: str) -> None:
-    results = {}
-    for overlap in (True, False):
+    results, all_gather_kernels, copies = {}, {}, {}
+    for name, options in CONFIGS.items():
         torch._dynamo.reset()
         torch.manual_seed(0)
         with torch.device("cuda"):
             model = Llama(MEDIUM)
         mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         fsdp_compile.shard(model, units=[Block], mp=mp)
-        compiled = torch.compile(model, backend=fsdp_compile.backend(overlap=overlap), fullgraph=True)
+        compiled = torch.compile(model, backend=fsdp_compile.backend(**options), fullgraph=True)
         tokens = torch.randint(0, MEDIUM.vocab_size, (2, 1025), device="cuda")
         for _ in range(3):
             compiled(tokens[:, :-1], tokens[:, 1:]).backward()
         with tempfile.NamedTemporaryFile(suffix=".json") as trace:
             trace_steps(lambda i: compiled(tokens[:, :-1], tokens[:, 1:]).backward(), STEPS, trace.name)
-            results[overlap] = communication_overlap(trace.name, steps=STEPS)
+            results[name] = communication_overlap(trace.name, steps=STEPS)
+            activity = gpu_activity(trace.name)
+        all_gather_kernels[name] = sum("nccl" in k.lower() and "allgather" in k.lower() for k, _, _ in activity)
+        memcpys = [(s, e) for k, s, e in activity if k.startswith("Memcpy")]
+        kernels = [(s, e) for k, s, e in activity if not k.startswith("Memcpy") and not is_communication(k)]
+        copies[name] = {"count": len(memcpys), "beside_compute_ms": length(intersect(union(memcpys), union(kernels))) / 1e3,
+                        "kinds": sorted({k for k, _, _ in activity if k.startswith("Memcpy")})}
+    summary = f"rank {rank}: {results}; NCCL all-gather kernels {all_gather_kernels}; memcpys {copies}"
     if rank == 0:
         with open(out, "w") as f:
-            f.write(repr(results))
-        print(f"overlap on: {results[True]}\noverlap off: {results[False]}")
-    print(f"rank {rank}: overlap on {results[True]}, off {results[False]}")
-    on, off = results[True], results[False]
+            f.write(summary)
+    print(summary)
+    on, off = results["on"], results["off"]
     assert on["comm"] > 0 and off["comm"] > 0
     # NCCL kernels run while compute kernels run; without the pass, every one runs alone. (A NCCL kernel's
     # duration includes waiting for the other rank, so "comm" differs between ranks.)
     assert on["overlapped"] > 0, on
     assert on["overlapped"] > off["overlapped"], (on, off)
+    # Copy-engine all-gathers: no NCCL all-gather kernel; three memcpys each (shard -> workspace, and one
+    # per rank into the output), which run beside compute kernels.
+    assert all_gather_kernels["on"] > 0 and all_gather_kernels["copy_engine"] == 0, all_gather_kernels
+    gathers_per_step = 2 * (MEDIUM.n_layers + 1)  # forward and backward, every block and the root
+    assert copies["copy_engine"]["count"] - copies["on"]["count"] >= STEPS * gathers_per_step * 3, copies
+    assert copies["copy_engine"]["beside_compute_ms"] > 0, copies
 
 
 @pytest.mark.gpu

@@ -6,15 +6,13 @@ import dataclasses
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
 from fsdp_compile._ops import gather_unit
-from fsdp_compile.debug import CapturedGraph, capture_graphs
 from fsdp_compile.passes.insert_collectives import is_marker
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
+from fsdp_compile.testing.graphs import compile_and_capture
+from fsdp_compile.testing.llama import LLAMA_TINY, LlamaConfig
 
 N_UNITS = LLAMA_TINY.n_layers + 1  # one per block + the root (embedding tied with output, final norm)
 _c10d = torch.ops._c10d_functional
@@ -32,21 +30,9 @@ def _graphs(
     gradient_sync: bool = True,
     **shard_options: object,
 ) -> dict[str, fx.GraphModule]:
-    torch._dynamo.reset()  # many compilations of Llama.forward in one process: stay under the recompile limit
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
-    try:
-        torch.manual_seed(0)
-        model = fsdp_compile.shard(Llama(cfg), units=[Block], mp=mp, **shard_options)  # type: ignore[arg-type]
-        fsdp_compile.set_requires_gradient_sync(model, gradient_sync)
-        compiled = torch.compile(model, backend=fsdp_compile.backend(compiler=compiler), fullgraph=True)
-        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
-        with capture_graphs() as graphs:
-            compiled(tokens, tokens).backward()
-    finally:
-        dist.destroy_process_group()
-    by_stage: dict[str, CapturedGraph] = {g.stage: g for g in graphs}
-    assert sorted(by_stage) == ["backward", "dynamo", "forward"], [g.stage for g in graphs]
-    return {stage: g.gm for stage, g in by_stage.items()}
+    return compile_and_capture(
+        mp=mp, cfg=cfg, gradient_sync=gradient_sync, backend_options={"compiler": compiler}, **shard_options
+    )
 
 
 Expected = tuple[torch.dtype, object, torch.dtype]

@@ -109,6 +109,7 @@ class Case:
     exchange: bool = True  # MixedPrecision.exchange_grads_in_param_dtype (matters when param_dtype is narrower)
     keep_root_gathered: bool = False  # shard(reshard_after_forward=...) false for the root unit
     cudagraphs: bool = False  # BackendConfig.cudagraphs (CUDA graphs: GPU only)
+    all_gather: Literal["nccl", "copy_engine"] = "nccl"  # BackendConfig.all_gather (copy engines: GPU only)
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:
@@ -139,7 +140,9 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
     if case.compiler == "eager":
         run = model
     else:
-        backend = fsdp_compile.backend(compiler=case.compiler, overlap=case.overlap, cudagraphs=case.cudagraphs)
+        backend = fsdp_compile.backend(
+            compiler=case.compiler, overlap=case.overlap, cudagraphs=case.cudagraphs, all_gather=case.all_gather
+        )
         run = torch.compile(model, backend=backend, fullgraph=not case.graph_break)
     opt = torch.optim.AdamW(_param_groups(model), lr=LR)
     ref_opt = torch.optim.AdamW(_param_groups(ref), lr=LR)
@@ -269,10 +272,15 @@ def test_parity_world_size_one() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
 @pytest.mark.parametrize(
-    "dtype, param_dtype, cudagraphs",
-    [(torch.float64, torch.float64, False), (torch.float32, torch.bfloat16, False), (torch.float32, torch.bfloat16, True)],
-    ids=["fp64", "bf16-fp32reduce", "bf16-fp32reduce-cudagraphs"],
+    "dtype, param_dtype, options",
+    [
+        (torch.float64, torch.float64, {}),
+        (torch.float32, torch.bfloat16, {}),
+        (torch.float32, torch.bfloat16, {"cudagraphs": True}),
+        (torch.float64, torch.float64, {"all_gather": "copy_engine"}),
+        (torch.float32, torch.bfloat16, {"all_gather": "copy_engine", "cudagraphs": True}),
+    ],
+    ids=["fp64", "bf16-fp32reduce", "bf16-fp32reduce-cudagraphs", "fp64-copy_engine", "bf16-fp32reduce-copy_engine-cudagraphs"],
 )
-def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype, cudagraphs: bool) -> None:
-    case = Case("inductor", dtype, param_dtype, device="cuda", cudagraphs=cudagraphs)
-    spawn_ranks(_train_and_compare, 2, case, backend="nccl")
+def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype, options: dict) -> None:
+    spawn_ranks(_train_and_compare, 2, Case("inductor", dtype, param_dtype, device="cuda", **options), backend="nccl")

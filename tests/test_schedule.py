@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.fx as fx
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
-from fsdp_compile.debug import capture_graphs
 from fsdp_compile.passes.schedule_overlap import plan_overlap
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+from fsdp_compile.testing.graphs import compile_and_capture
+from fsdp_compile.testing.llama import LLAMA_TINY
 
 N_UNITS = LLAMA_TINY.n_layers + 1
 _c10d = torch.ops._c10d_functional
@@ -23,18 +21,8 @@ MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bm
 def _graphs(
     rank: int = 0, mp: fsdp_compile.MixedPrecision | None = None, **options: object
 ) -> dict[str, fx.GraphModule]:
-    torch._dynamo.reset()  # many compilations of Llama.forward in one process: stay under the recompile limit
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
-    try:
-        torch.manual_seed(0)
-        model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], mp=mp)
-        compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager", **options), fullgraph=True)
-        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
-        with capture_graphs() as graphs:
-            compiled(tokens, tokens).backward()
-    finally:
-        dist.destroy_process_group()
-    return {g.stage: g.gm for g in graphs if g.stage != "dynamo"}
+    graphs = compile_and_capture(rank=rank, mp=mp, backend_options={"compiler": "aot_eager", **options})
+    return {stage: gm for stage, gm in graphs.items() if stage != "dynamo"}
 
 
 @pytest.fixture(scope="module")

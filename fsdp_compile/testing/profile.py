@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-__all__ = ["communication_overlap", "intersect", "is_communication", "length", "trace_steps", "union"]
+__all__ = ["communication_overlap", "gpu_activity", "intersect", "is_communication", "length", "trace_steps", "union"]
 
 Intervals = list[tuple[float, float]]
 
@@ -46,19 +46,25 @@ def is_communication(kernel_name: str) -> bool:
     return "nccl" in kernel_name.lower() or "PtoP" in kernel_name
 
 
+def gpu_activity(trace_path: str) -> list[tuple[str, float, float]]:
+    """The trace's kernels and copies: (name, start, end), in µs."""
+    with open(trace_path) as f:
+        events = json.load(f)["traceEvents"]
+    return [
+        (e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        for e in events
+        if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")
+    ]
+
+
 def communication_overlap(trace_path: str, steps: int = 1) -> dict[str, float]:
     """Per step, in ms: ``comm`` (time any NCCL kernel or peer-to-peer copy runs), ``exposed`` (of that,
     the time no other kernel runs), ``overlapped`` (comm - exposed), ``compute`` (time any other kernel
     or copy runs) and ``idle`` (time between the trace's first and last kernel when none runs: launch
     gaps, host waits)."""
-    with open(trace_path) as f:
-        events = json.load(f)["traceEvents"]
     comm, compute = [], []
-    for e in events:
-        if e.get("ph") != "X" or e.get("cat") not in ("kernel", "gpu_memcpy"):
-            continue
-        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-        (comm if is_communication(e["name"]) else compute).append(span)
+    for name, start, end in gpu_activity(trace_path):
+        (comm if is_communication(name) else compute).append((start, end))
     comm_u, compute_u = union(comm), union(compute)
     busy = union(comm_u + compute_u)
     overlapped = length(intersect(comm_u, compute_u))

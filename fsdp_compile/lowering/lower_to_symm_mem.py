@@ -1,0 +1,140 @@
+"""Lower the units' all-gathers to copy-engine all-gathers through symmetric memory.
+
+Precondition: a post-grad forward or backward graph (after ``schedule_overlap``) whose all-gathers are
+``_c10d_functional.all_gather_into_tensor`` -> ``wait_tensor`` chains on CUDA tensors.
+Postcondition: each all-gather is ``fsdp_compile.all_gather_copy_engine`` with the same arguments, result
+and place in the graph; its ``wait_tensor`` is unchanged. Nothing else moves.
+
+Why: NCCL's all-gather kernels hold SMs (24 on H100) while they run, and the matmuls that the overlap
+schedule puts beside them run slower for it. A copy-engine all-gather moves the bytes with the GPU's copy
+engines (peer-to-peer memcpy over NVLink) and uses SMs only for two one-block barrier kernels.
+
+How one all-gather runs (``all_gather_copy_engine``), on ``w`` ranks:
+1. compute stream: wait for the previous copy-engine all-gather to finish (its peers may still be reading
+   this rank's workspace), then copy the shard into this rank's part of the group's symmetric workspace
+   (``get_symm_mem_workspace``). The shard is read on the compute stream only, so Inductor may reuse its
+   buffer as soon as the call returns.
+2. side stream (symmetric memory's backend stream), after the compute stream: a barrier (every rank's
+   shard is in its workspace), ``w`` memcpys of the ranks' workspaces into the output, a barrier (no rank
+   overwrites its workspace while another still reads it). The output is registered with c10d, so the
+   graph's ``wait_tensor`` makes the compute stream wait for the side stream.
+The workspace grows to the largest shard on first use (a collective: every rank calls the all-gathers in
+the same order). Needs a CUDA build of torch with symmetric memory and GPUs that can map each other's
+memory (NVLink or PCIe peer access); ``plan_symm_mem`` raises for all-gathers on other devices.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+import torch.fx as fx
+from torch._inductor.custom_graph_pass import CustomGraphPass
+
+from fsdp_compile.debug import artifact
+
+__all__ = ["LowerToSymmMem", "SymmMemPlan", "all_gather_copy_engine", "apply_symm_mem", "plan_symm_mem"]
+
+log = logging.getLogger(__name__)
+
+_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
+
+
+def _symmetric_memory() -> ModuleType:
+    """torch's symmetric-memory module, checked for what the copy-engine all-gather uses."""
+    try:
+        from torch.distributed import _symmetric_memory as symm_mem
+    except ImportError as e:
+        raise RuntimeError(
+            "all_gather='copy_engine' needs torch.distributed._symmetric_memory (a CUDA build of torch); "
+            "use all_gather='nccl'"
+        ) from e
+    missing = [n for n in ("get_symm_mem_workspace", "_get_backend_stream", "Work") if not hasattr(symm_mem, n)]
+    if missing or not hasattr(torch._C._distributed_c10d, "_register_work"):
+        raise RuntimeError(
+            f"all_gather='copy_engine': this torch ({torch.__version__}) lacks symmetric-memory functions it "
+            f"needs ({', '.join(missing) or '_register_work'}); use all_gather='nccl'"
+        )
+    return symm_mem
+
+
+@torch.library.custom_op("fsdp_compile::all_gather_copy_engine", mutates_args=(), device_types="cuda")
+def all_gather_copy_engine(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    """``all_gather_into_tensor(shard, group_size, group_name)`` by copy engines; wait for the result with
+    ``_c10d_functional.wait_tensor`` (steps: the module docstring)."""
+    symm_mem = _symmetric_memory()
+    if not symm_mem.is_symm_mem_enabled_for_group(group_name):
+        symm_mem.enable_symm_mem_for_group(group_name)
+    workspace = symm_mem.get_symm_mem_workspace(group_name, shard.numel() * shard.element_size())
+    side, compute = symm_mem._get_backend_stream(), torch.cuda.current_stream()
+    compute.wait_stream(side)
+    workspace.get_buffer(workspace.rank, shard.shape, shard.dtype).copy_(shard)
+    output = shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        workspace.barrier()
+        for rank, part in enumerate(output.chunk(group_size)):
+            part.copy_(workspace.get_buffer(rank, shard.shape, shard.dtype))
+        workspace.barrier()
+        torch._C._distributed_c10d._register_work(output, symm_mem.Work())  # its event: recorded on `side`
+    return output
+
+
+@all_gather_copy_engine.register_fake
+def _(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+    return shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
+
+
+@dataclass(frozen=True)
+class SymmMemPlan:
+    gathers: tuple[str, ...]
+    """The all-gathers lowered to copy engines, in graph order."""
+    workspace_bytes: int
+    """The largest shard: the symmetric workspace each rank needs."""
+
+    def to_json(self) -> str:
+        return json.dumps({"gathers": self.gathers, "workspace_bytes": self.workspace_bytes})
+
+
+def plan_symm_mem(graph: fx.Graph) -> SymmMemPlan:
+    gathers = [n for n in graph.nodes if n.target == _ALL_GATHER]
+    shards = [ag.args[0].meta["val"] for ag in gathers]
+    elsewhere = sorted({str(s.device) for s in shards if s.device.type != "cuda"})
+    if elsewhere:
+        raise ValueError(
+            f"all_gather='copy_engine' needs all-gathers of CUDA tensors (peer copies between GPUs), but this "
+            f"graph all-gathers on {', '.join(elsewhere)}: use all_gather='nccl' there"
+        )
+    return SymmMemPlan(
+        gathers=tuple(ag.name for ag in gathers),
+        workspace_bytes=max((s.numel() * s.element_size() for s in shards), default=0),
+    )
+
+
+def apply_symm_mem(gm: fx.GraphModule | fx.Graph, plan: SymmMemPlan) -> None:
+    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+    lowered = set(plan.gathers)
+    for node in graph.nodes:
+        if node.name in lowered:
+            node.target = torch.ops.fsdp_compile.all_gather_copy_engine.default
+    graph.lint()
+    if isinstance(gm, fx.GraphModule):
+        gm.recompile()
+
+
+class LowerToSymmMem(CustomGraphPass):
+    """The lowering as part of Inductor's ``post_grad_custom_post_pass`` (after ``schedule_overlap``)."""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        plan = plan_symm_mem(graph)
+        apply_symm_mem(graph, plan)
+        artifact("symm_mem_plan", plan.to_json)
+        log.info("lower_to_symm_mem: %d all-gathers on copy engines", len(plan.gathers))
+
+    def uuid(self) -> bytes:
+        with open(__file__, "rb") as f:
+            return hashlib.sha256(f.read()).digest()

@@ -1,0 +1,46 @@
+"""The graphs fsdp_compile builds for a tiny Llama, for graph-level tests (one process, fake process group:
+shapes are real, values are garbage)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_compile
+from fsdp_compile.debug import capture_graphs
+from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
+
+__all__ = ["compile_and_capture"]
+
+
+def compile_and_capture(
+    *,
+    rank: int = 0,
+    mp: fsdp_compile.MixedPrecision | None = None,
+    cfg: LlamaConfig = LLAMA_TINY,
+    gradient_sync: bool = True,
+    backend_options: dict[str, Any] | None = None,
+    **shard_options: Any,
+) -> dict[str, fx.GraphModule]:
+    """Shard a tiny Llama (every ``Block`` a unit) as ``rank`` of 2, compile it with
+    ``fsdp_compile.backend(**backend_options)``, run one forward and backward, and return the graphs by
+    stage: ``"dynamo"`` (after the Dynamo-graph passes), ``"forward"``, ``"backward"``."""
+    torch._dynamo.reset()  # many compilations of Llama.forward in one process: stay under the recompile limit
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = fsdp_compile.shard(Llama(cfg), units=[Block], mp=mp, **shard_options)
+        fsdp_compile.set_requires_gradient_sync(model, gradient_sync)
+        compiled = torch.compile(model, backend=fsdp_compile.backend(**(backend_options or {})), fullgraph=True)
+        tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+        with capture_graphs() as graphs:
+            compiled(tokens, tokens).backward()
+    finally:
+        dist.destroy_process_group()
+    by_stage = {g.stage: g.gm for g in graphs}
+    assert sorted(by_stage) == ["backward", "dynamo", "forward"], [g.stage for g in graphs]
+    return by_stage

@@ -1,0 +1,65 @@
+"""lower_to_symm_mem at graph level (CPU, fake process group, the scheduled AOT graphs under aot_eager).
+Copy-engine all-gathers need GPUs to run: ``test_parity_nccl_inductor[...-copy_engine]`` checks their
+numerics and ``tests/test_gpu_overlap.py`` that they run on copy engines, beside compute."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import fsdp_compile
+from fsdp_compile.lowering.lower_to_symm_mem import SymmMemPlan, apply_symm_mem, plan_symm_mem
+from fsdp_compile.testing.graphs import compile_and_capture
+from fsdp_compile.testing.llama import LLAMA_TINY
+
+N_UNITS = LLAMA_TINY.n_layers + 1
+_c10d = torch.ops._c10d_functional
+AG, WAIT = _c10d.all_gather_into_tensor.default, _c10d.wait_tensor.default
+CE = torch.ops.fsdp_compile.all_gather_copy_engine.default
+MP = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def scheduled() -> dict[str, fx.GraphModule]:
+    return compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager"})
+
+
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+def test_each_all_gather_becomes_a_copy_engine_all_gather_in_its_place(scheduled: dict, stage: str) -> None:
+    gm = copy.deepcopy(scheduled[stage])
+    before = [(n.name, n.target, n.args) for n in gm.graph.nodes]
+    gathers = tuple(n.name for n in gm.graph.nodes if n.target == AG)
+    assert len(gathers) == N_UNITS
+    # plan_symm_mem refuses CPU graphs (below); the transformation itself is device-independent.
+    apply_symm_mem(gm, SymmMemPlan(gathers=gathers, workspace_bytes=0))
+    after = [(n.name, n.target, n.args) for n in gm.graph.nodes]
+    assert [name for name, _, _ in after] == [name for name, _, _ in before]  # nothing moved
+    for (name, target, args), (_, new_target, new_args) in zip(before, after):
+        assert new_args == args
+        assert new_target == (CE if name in gathers else target)
+    for node in gm.graph.nodes:
+        if node.target == CE:
+            assert [u.target for u in node.users] == [WAIT]
+            with FakeTensorMode():  # the op's fake kernel gives the all-gather's result
+                shard = torch.empty(node.args[0].meta["val"].shape, dtype=node.args[0].meta["val"].dtype)
+                out = CE(shard, *node.args[1:])
+            assert (out.shape, out.dtype) == (node.meta["val"].shape, node.meta["val"].dtype)
+
+
+def test_plan_refuses_all_gathers_off_cuda(scheduled: dict) -> None:
+    with pytest.raises(ValueError, match=r"needs all-gathers of CUDA tensors .* on cpu: use all_gather='nccl'"):
+        plan_symm_mem(scheduled["forward"].graph)
+
+
+def test_backend_with_copy_engine_all_gathers_refuses_cpu_at_compile_time() -> None:
+    with pytest.raises(Exception, match=r"all_gather='copy_engine' needs all-gathers of CUDA tensors"):
+        compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager", "all_gather": "copy_engine"})
+
+
+def test_bad_all_gather_option() -> None:
+    with pytest.raises(ValueError, match="all_gather must be 'nccl' or 'copy_engine', got 'nvshmem'"):
+        fsdp_compile.backend(all_gather="nvshmem")
