@@ -25,7 +25,12 @@ from fsdp_compile.testing.profile import (
 )
 
 STEPS = 3
-MEDIUM = LlamaConfig(vocab_size=8192, dim=1024, n_layers=8, n_heads=8, ffn_dim=2816, max_seq_len=2048)
+# Big enough that each GPU, not its host, bounds the step (8192 tokens per rank: ~45 ms of matmuls against
+# ~25 ms to enqueue a step): with a smaller model a rank whose host lags runs its kernels one by one, and
+# its trace shows the host's pace, not the schedule (seen: a dim-1024 model, 2048 tokens per rank, rank 0
+# 23 ms GPU idle per step and 0.08 ms overlapped while rank 1 had 6.7 ms overlapped).
+MEDIUM = LlamaConfig(vocab_size=8192, dim=2048, n_layers=8, n_heads=16, ffn_dim=5632, max_seq_len=2048)
+BATCH = 4
 
 
 CONFIGS = {"on": {}, "off": {"overlap": False}, "copy_engine": {"all_gather": "copy_engine"}}
@@ -40,7 +45,7 @@ def _profile(rank: int, world_size: int, out: str) -> None:
         mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         fsdp_compile.shard(model, units=[Block], mp=mp)
         compiled = torch.compile(model, backend=fsdp_compile.backend(**options), fullgraph=True)
-        tokens = torch.randint(0, MEDIUM.vocab_size, (2, 1025), device="cuda")
+        tokens = torch.randint(0, MEDIUM.vocab_size, (BATCH, MEDIUM.max_seq_len + 1), device="cuda")
         for _ in range(3):
             compiled(tokens[:, :-1], tokens[:, 1:]).backward()
         with tempfile.NamedTemporaryFile(suffix=".json") as trace:
