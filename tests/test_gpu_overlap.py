@@ -68,8 +68,8 @@ def _profile(rank: int, world_size: int, out: str) -> None:
     # duration includes waiting for the other rank, so "comm" differs between ranks.)
     assert on["overlapped"] > 0, on
     assert on["overlapped"] > off["overlapped"], (on, off)
-    # Copy-engine all-gathers: no NCCL all-gather kernel; three memcpys each (shard -> workspace, and one
-    # per rank into the output), which run beside compute kernels.
+    # Copy-engine all-gathers: no NCCL all-gather kernel; three memcpys each on 2 ranks (shard -> output,
+    # output -> workspace, the peer's workspace -> output), which run beside compute kernels.
     assert all_gather_kernels["on"] > 0 and all_gather_kernels["copy_engine"] == 0, all_gather_kernels
     gathers_per_step = 2 * (MEDIUM.n_layers + 1)  # forward and backward, every block and the root
     assert copies["copy_engine"]["count"] - copies["on"]["count"] >= STEPS * gathers_per_step * 3, copies

@@ -35,12 +35,11 @@ def test_each_all_gather_becomes_a_copy_engine_all_gather_in_its_place(scheduled
     gathers = tuple(n.name for n in gm.graph.nodes if n.target == AG)
     assert len(gathers) == N_UNITS
     # plan_symm_mem refuses CPU graphs (below); the transformation itself is device-independent.
-    apply_symm_mem(gm, SymmMemPlan(gathers=gathers, workspace_bytes=0))
+    apply_symm_mem(gm, SymmMemPlan(gathers=gathers, workspace_bytes=1234))
     after = [(n.name, n.target, n.args) for n in gm.graph.nodes]
     assert [name for name, _, _ in after] == [name for name, _, _ in before]  # nothing moved
     for (name, target, args), (_, new_target, new_args) in zip(before, after):
-        assert new_args == args
-        assert new_target == (CE if name in gathers else target)
+        assert (new_target, new_args) == ((CE, (*args, 1234)) if name in gathers else (target, args))
     for node in gm.graph.nodes:
         if node.target == CE:
             assert [u.target for u in node.users] == [WAIT]

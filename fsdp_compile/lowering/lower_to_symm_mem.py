@@ -2,24 +2,28 @@
 
 Precondition: a post-grad forward or backward graph (after ``schedule_overlap``) whose all-gathers are
 ``_c10d_functional.all_gather_into_tensor`` -> ``wait_tensor`` chains on CUDA tensors.
-Postcondition: each all-gather is ``fsdp_compile.all_gather_copy_engine`` with the same arguments, result
-and place in the graph; its ``wait_tensor`` is unchanged. Nothing else moves.
+Postcondition: each all-gather is ``fsdp_compile.all_gather_copy_engine`` with the same arguments plus the
+graph's largest shard in bytes (the workspace size), the same result and the same place in the graph; its
+``wait_tensor`` is unchanged. Nothing else moves.
 
 Why: NCCL's all-gather kernels hold SMs (24 on H100) while they run, and the matmuls that the overlap
 schedule puts beside them run slower for it. A copy-engine all-gather moves the bytes with the GPU's copy
 engines (peer-to-peer memcpy over NVLink) and uses SMs only for two one-block barrier kernels.
 
 How one all-gather runs (``all_gather_copy_engine``), on ``w`` ranks:
-1. compute stream: wait for the previous copy-engine all-gather to finish (its peers may still be reading
-   this rank's workspace), then copy the shard into this rank's part of the group's symmetric workspace
-   (``get_symm_mem_workspace``). The shard is read on the compute stream only, so Inductor may reuse its
-   buffer as soon as the call returns.
-2. side stream (symmetric memory's backend stream), after the compute stream: a barrier (every rank's
-   shard is in its workspace), ``w`` memcpys of the ranks' workspaces into the output, a barrier (no rank
-   overwrites its workspace while another still reads it). The output is registered with c10d, so the
-   graph's ``wait_tensor`` makes the compute stream wait for the side stream.
-The workspace grows to the largest shard on first use (a collective: every rank calls the all-gathers in
-the same order). Needs a CUDA build of torch with symmetric memory and GPUs that can map each other's
+1. compute stream: copy the shard into this rank's part of the output. The shard is read on the compute
+   stream only, so Inductor may reuse its buffer as soon as the call returns.
+2. side stream (symmetric memory's backend stream), after the compute stream: copy that part into this
+   rank's slice of the group's symmetric workspace (``get_symm_mem_workspace``; the previous all-gather's
+   closing barrier, earlier on the same stream, guarantees no peer still reads it), a barrier (every
+   rank's shard is in its workspace), ``w - 1`` memcpys of the peers' workspaces into the output, a
+   barrier. The output is registered with c10d, so the graph's ``wait_tensor`` makes the compute stream
+   wait for the side stream. The side stream forks from the compute stream and joins it at the wait, which
+   is also what CUDA-graph capture needs.
+The workspace is allocated at the first call with the graph's largest shard, so it does not grow while
+all-gathers are in flight. Where it must grow (a later graph with a larger shard), the call first waits
+for the GPU to finish: the last all-gather's closing barrier has then passed, so no peer reads the old
+workspace any more. Allocation is a collective: every rank calls the all-gathers in the same order. Needs a CUDA build of torch with symmetric memory and GPUs that can map each other's
 memory (NVLink or PCIe peer access); ``plan_symm_mem`` raises for all-gathers on other devices.
 """
 
@@ -62,30 +66,41 @@ def _symmetric_memory() -> ModuleType:
     return symm_mem
 
 
+_workspace_bytes: dict[str, int] = {}
+"""Per process group: the size of the symmetric workspace this module has asked for."""
+
+
 @torch.library.custom_op("fsdp_compile::all_gather_copy_engine", mutates_args=(), device_types="cuda")
-def all_gather_copy_engine(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
-    """``all_gather_into_tensor(shard, group_size, group_name)`` by copy engines; wait for the result with
-    ``_c10d_functional.wait_tensor`` (steps: the module docstring)."""
+def all_gather_copy_engine(shard: torch.Tensor, group_size: int, group_name: str, workspace_bytes: int) -> torch.Tensor:
+    """``all_gather_into_tensor(shard, group_size, group_name)`` by copy engines, through a symmetric
+    workspace of at least ``workspace_bytes``; wait for the result with ``_c10d_functional.wait_tensor``
+    (steps: the module docstring)."""
     symm_mem = _symmetric_memory()
     if not symm_mem.is_symm_mem_enabled_for_group(group_name):
         symm_mem.enable_symm_mem_for_group(group_name)
-    workspace = symm_mem.get_symm_mem_workspace(group_name, shard.numel() * shard.element_size())
-    side, compute = symm_mem._get_backend_stream(), torch.cuda.current_stream()
-    compute.wait_stream(side)
-    workspace.get_buffer(workspace.rank, shard.shape, shard.dtype).copy_(shard)
+    nbytes = max(workspace_bytes, shard.numel() * shard.element_size())
+    if nbytes > _workspace_bytes.get(group_name, 0):
+        torch.cuda.synchronize()  # growing frees the old workspace: nothing may still read it
+        _workspace_bytes[group_name] = nbytes
+    workspace = symm_mem.get_symm_mem_workspace(group_name, _workspace_bytes[group_name])
     output = shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
-    side.wait_stream(compute)
+    parts = output.chunk(group_size)
+    parts[workspace.rank].copy_(shard)
+    side = symm_mem._get_backend_stream()
+    side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
+        workspace.get_buffer(workspace.rank, shard.shape, shard.dtype).copy_(parts[workspace.rank])
         workspace.barrier()
-        for rank, part in enumerate(output.chunk(group_size)):
-            part.copy_(workspace.get_buffer(rank, shard.shape, shard.dtype))
+        for rank, part in enumerate(parts):
+            if rank != workspace.rank:
+                part.copy_(workspace.get_buffer(rank, shard.shape, shard.dtype))
         workspace.barrier()
         torch._C._distributed_c10d._register_work(output, symm_mem.Work())  # its event: recorded on `side`
     return output
 
 
 @all_gather_copy_engine.register_fake
-def _(shard: torch.Tensor, group_size: int, group_name: str) -> torch.Tensor:
+def _(shard: torch.Tensor, group_size: int, group_name: str, workspace_bytes: int) -> torch.Tensor:
     return shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
 
 
@@ -121,6 +136,7 @@ def apply_symm_mem(gm: fx.GraphModule | fx.Graph, plan: SymmMemPlan) -> None:
     for node in graph.nodes:
         if node.name in lowered:
             node.target = torch.ops.fsdp_compile.all_gather_copy_engine.default
+            node.args = (*node.args, plan.workspace_bytes)
     graph.lint()
     if isinstance(gm, fx.GraphModule):
         gm.recompile()
