@@ -25,8 +25,8 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fsdp_compile import debug
 from fsdp_compile.config import BackendConfig
-from fsdp_compile.lowering.lower_to_symm_mem import LowerToSymmMem
-from fsdp_compile.passes.insert_collectives import apply_collectives, plan_collectives
+from fsdp_compile.lowering.lower_to_symm_mem import LowerToSymmMem, reserve_workspace
+from fsdp_compile.passes.insert_collectives import CollectivesPlan, apply_collectives, plan_collectives
 from fsdp_compile.passes.map_units import plan_unit_inputs
 from fsdp_compile.passes.reshard_after_forward import ReshardAfterForward
 from fsdp_compile.passes.schedule_overlap import ScheduleOverlap
@@ -105,6 +105,19 @@ def _partition_resharded(joint: fx.GraphModule, joint_inputs: Sequence[Any], **k
     return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
+def _reserve_workspaces(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
+    """Size each group's copy-engine workspace to its largest shard, in param_dtype, before any graph runs."""
+    shards = {n.name: n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")}
+    needed: dict[str, int] = {}
+    for gather in plan.gathers:
+        shard = shards[gather.shard]
+        if gather.world_size > 1 and shard.device.type == "cuda":  # others: lower_to_symm_mem refuses them
+            nbytes = shard.numel() * gather.param_dtype.itemsize
+            needed[gather.group_name] = max(needed.get(gather.group_name, 0), nbytes)
+    for group_name, nbytes in sorted(needed.items()):
+        reserve_workspace(group_name, nbytes)
+
+
 def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *, config: BackendConfig) -> Callable[..., Any]:
     unit_inputs = plan_unit_inputs(gm, example_inputs)
     plan = plan_collectives(gm, unit_inputs)
@@ -113,6 +126,8 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *, config: Backe
     counters["fsdp_compile"]["all_gathers"] += len(plan.gathers)
     log.info("fsdp_compile: %d units gathered in a graph of %d nodes", len(plan.gathers), len(gm.graph.nodes))
     debug.record("dynamo", gm)
+    if config.all_gather == "copy_engine":
+        _reserve_workspaces(gm, plan)
     if config.compiler == "aot_eager":
         return aot_autograd(
             fw_compiler=_eager_compiler("forward", config),

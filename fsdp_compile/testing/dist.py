@@ -27,6 +27,9 @@ def _run(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., 
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
+        # Compiled code goes before the group: CUDA graphs hold the group's captured collectives (a rank
+        # stopped in teardown after a CUDA-graph test, twice, with them alive).
+        torch._dynamo.reset()
         # Tear down together: a rank that destroys its group while a peer still talks to it can abort
         # (seen once with gloo: "terminate called without an active exception").
         dist.barrier()
