@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark (2 GPUs). Logs and JSON under $OUT; a short table last. Everything at once
-# takes longer than one 10-minute device call (the GPU tests ~7 min, each system ~45 s per sweep point):
+# takes longer than one 10-minute device call (the GPU tests several minutes, each system ~45 s a sweep point):
 # split it, e.g. BENCH=0 (tests) then TESTS=0 with a SYSTEMS subset. Measured split (2x H100):
 #   OUT=/tmp/out BENCH=0 bash benchmarks/gpu.sh                 # the GPU tests (TEST_TIMEOUT, default 540 s)
 #   OUT=/tmp/out TESTS=0 SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile_copy_engine fsdp_compile_copy_engine_cudagraphs" bash benchmarks/gpu.sh
