@@ -53,8 +53,9 @@ def summarize(path: str, steps: int, top: int) -> Iterator[str]:
         by_class[cls][1] += 1
         if not is_communication(e["name"]):
             by_class[cls][2] += length(intersect([(e["ts"], e["ts"] + e["dur"])], comm))
-        by_name[e["name"][:90]][0] += e["dur"]
-        by_name[e["name"][:90]][1] += 1
+        named = by_name[e["name"][:90]]
+        named[0] += e["dur"]
+        named[1] += 1
     first = min(e["ts"] for e in kernels)
     last = max(e["ts"] + e["dur"] for e in kernels)
     yield f"== {os.path.basename(path)}: GPU span {(last - first) / 1e3 / steps:.2f} ms/step, {len(kernels) // steps} kernels/step"
@@ -67,8 +68,9 @@ def summarize(path: str, steps: int, top: int) -> Iterator[str]:
     host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation", "python_function")]
     host_by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for e in host:
-        host_by_name[f"{e.get('cat')}:{e['name'][:70]}"][0] += e["dur"]
-        host_by_name[f"{e.get('cat')}:{e['name'][:70]}"][1] += 1
+        named = host_by_name[f"{e.get('cat')}:{e['name'][:70]}"]
+        named[0] += e["dur"]
+        named[1] += 1
     if host_by_name:
         yield "   host ops, inclusive (ms/step, count/step):"
         for name, (dur, n) in sorted(host_by_name.items(), key=lambda kv: -kv[1][0])[:top]:

@@ -30,9 +30,10 @@ Per point of the sweep (tokens per GPU = batch x seq; seq up to 2048): median st
 dense bf16 peak), peak memory (``torch.cuda.max_memory_allocated`` over the measured steps, less what the
 previous system left allocated: none, unless ``leftover_after_gib`` in the JSON says otherwise), host time
 to enqueue a step (close to the step time: launch-bound), from a profiler trace of --profile-steps more
-steps (after a barrier and one untraced warm-up step): communication (NCCL kernel time), exposed communication (NCCL kernels not overlapped by any other
-kernel), compute (other kernels) and GPU idle time; compile time (first step minus the median).
-``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them). Prints markdown tables of ratios vs FSDP2
+steps (``trace_steps``: after a barrier and one untraced warm-up step): communication (time NCCL kernels
+or peer-to-peer copies run), exposed communication (of that, the time no other kernel runs), compute
+(other kernels and copies) and GPU idle time; compile time (first step minus the median). ``--trace-dir``
+keeps each trace (``benchmarks/trace_summary.py`` reads them). Prints markdown tables of ratios vs FSDP2
 eager and vs the bound, a loss-agreement guard, and writes JSON (``--out``); ``benchmarks/plot.py`` turns
 the JSON into plots.
 """

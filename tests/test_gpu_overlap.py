@@ -31,10 +31,10 @@ STEPS = 3
 # 23 ms GPU idle per step and 0.08 ms overlapped while rank 1 had 6.7 ms overlapped).
 MEDIUM = LlamaConfig(vocab_size=8192, dim=2048, n_layers=8, n_heads=16, ffn_dim=5632, max_seq_len=2048)
 BATCH = 4
-
-
 CONFIGS = {"on": {}, "off": {"overlap": False}, "copy_engine": {"all_gather": "copy_engine"}}
 """The overlap pass on (NCCL all-gathers), off, and on with copy-engine all-gathers."""
+
+
 def _profile(rank: int, world_size: int, out: str) -> None:
     results, all_gather_kernels, copies = {}, {}, {}
     for name, options in CONFIGS.items():

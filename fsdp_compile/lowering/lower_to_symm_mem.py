@@ -21,19 +21,23 @@ How one all-gather runs (``all_gather_copy_engine``), on ``w`` ranks:
    wait for the side stream. The side stream forks from the compute stream and joins it at the wait, which
    is also what CUDA-graph capture needs.
 The workspace is allocated when the backend compiles (``reserve_workspace``), sized to the largest shard,
-so it does not grow while all-gathers are in flight, nor inside a CUDA graph's memory pool. Where it must grow (a later graph with a larger shard), the call first waits
-for the GPU to finish: the last all-gather's closing barrier has then passed, so no peer reads the old
-workspace any more. Allocation is a collective: every rank calls the all-gathers in the same order. Needs a CUDA build of torch with symmetric memory and GPUs that can map each other's
-memory (NVLink or PCIe peer access); ``plan_symm_mem`` raises for all-gathers on other devices.
+so it does not grow while all-gathers are in flight, nor inside a CUDA graph's memory pool. Where it must
+grow (a later graph with a larger shard), the call first waits for the GPU to finish: the last
+all-gather's closing barrier has then passed, so no peer reads the old workspace any more. Allocation is a
+collective: every rank calls the all-gathers in the same order. Needs a CUDA build of torch with symmetric
+memory and GPUs that can map each other's memory (NVLink or PCIe peer access); ``plan_symm_mem`` raises for
+all-gathers on other devices.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 import torch.fx as fx
@@ -41,15 +45,23 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 from fsdp_compile.debug import artifact
 
-__all__ = ["LowerToSymmMem", "SymmMemPlan", "all_gather_copy_engine", "apply_symm_mem", "plan_symm_mem", "reserve_workspace"]
+__all__ = [
+    "LowerToSymmMem",
+    "SymmMemPlan",
+    "all_gather_copy_engine",
+    "apply_symm_mem",
+    "plan_symm_mem",
+    "reserve_workspace",
+]
 
 log = logging.getLogger(__name__)
 
 _ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
 
 
+@functools.cache
 def _symmetric_memory() -> ModuleType:
-    """torch's symmetric-memory module, checked for what the copy-engine all-gather uses."""
+    """torch's symmetric-memory module, checked (once) for what the copy-engine all-gather uses."""
     try:
         from torch.distributed import _symmetric_memory as symm_mem
     except ImportError as e:
@@ -70,28 +82,29 @@ _workspace_bytes: dict[str, int] = {}
 """Per process group: the size of the symmetric workspace this module has asked for."""
 
 
-def reserve_workspace(group_name: str, nbytes: int) -> None:
-    """Make the group's symmetric workspace at least ``nbytes`` (a collective). The backend calls this when
-    it compiles, before the graphs first run: allocated inside a graph's first run, under CUDA graphs, the
-    workspace's small device-side tables would land in the CUDA graphs' memory pool, which must hold only
-    tensors the graphs own (Inductor checks this)."""
+def reserve_workspace(group_name: str, nbytes: int) -> Any:
+    """Make the group's symmetric workspace at least ``nbytes`` (a collective) and return it (a
+    ``_SymmetricMemory``). The backend calls this when it compiles, before the graphs first run: allocated
+    inside a graph's first run, under CUDA graphs, the workspace's small device-side tables would land in
+    the CUDA graphs' memory pool, which must hold only tensors the graphs own (Inductor checks this)."""
     symm_mem = _symmetric_memory()
     if not symm_mem.is_symm_mem_enabled_for_group(group_name):
         symm_mem.enable_symm_mem_for_group(group_name)
     if nbytes > _workspace_bytes.get(group_name, 0):
         torch.cuda.synchronize()  # growing frees the old workspace: nothing may still read it
         _workspace_bytes[group_name] = nbytes
-    symm_mem.get_symm_mem_workspace(group_name, _workspace_bytes[group_name])
+    return symm_mem.get_symm_mem_workspace(group_name, _workspace_bytes[group_name])
 
 
 @torch.library.custom_op("fsdp_compile::all_gather_copy_engine", mutates_args=(), device_types="cuda")
-def all_gather_copy_engine(shard: torch.Tensor, group_size: int, group_name: str, workspace_bytes: int) -> torch.Tensor:
+def all_gather_copy_engine(
+    shard: torch.Tensor, group_size: int, group_name: str, workspace_bytes: int
+) -> torch.Tensor:
     """``all_gather_into_tensor(shard, group_size, group_name)`` by copy engines, through a symmetric
     workspace of at least ``workspace_bytes``; wait for the result with ``_c10d_functional.wait_tensor``
     (steps: the module docstring)."""
-    reserve_workspace(group_name, max(workspace_bytes, shard.numel() * shard.element_size()))
+    workspace = reserve_workspace(group_name, max(workspace_bytes, shard.numel() * shard.element_size()))
     symm_mem = _symmetric_memory()
-    workspace = symm_mem.get_symm_mem_workspace(group_name, _workspace_bytes[group_name])
     output = shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
     parts = output.chunk(group_size)
     parts[workspace.rank].copy_(shard)
