@@ -5,13 +5,14 @@
 """
 
 from fsdp_compile._backend import backend
-from fsdp_compile._shard import set_requires_gradient_sync, shard, sharded_units
+from fsdp_compile._shard import set_requires_gradient_sync, shard
 from fsdp_compile._state_dict import (
     full_optimizer_state_dict,
     full_state_dict,
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
+from fsdp_compile._unit import sharded_units
 from fsdp_compile.config import BackendConfig, MixedPrecision
 
 __all__ = [

@@ -1,64 +1,117 @@
-"""Eager mode (no torch.compile): reshard after forward through saved-tensor hooks.
+"""Eager mode (no torch.compile): each unit's :class:`EagerUnit` gathers it around its forward and reshards
+it after forward through saved-tensor hooks.
 
-While a unit's forward runs, its gathered buffer is registered here; autograd then saves, instead of a
-view of that buffer, a ``_SavedView`` (where the view was). The unit is dropped after its forward, and
-gathered again once when backward first unpacks one of its views; the re-gathered buffer is dropped when
-its last saved view has been unpacked (or garbage collected, if backward never runs).
+The protocol (who may free a gathered buffer, when it is gathered again): [Note: eager gather and reshard]
+in docs/architecture.md.
 """
 
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any
 
 import torch
-from torch._dynamo.utils import counters
 
-if TYPE_CHECKING:
-    from fsdp_compile._shard import UnitState
+from fsdp_compile._internals import counters
 
-__all__ = ["live_gathers", "pack", "unpack"]
+__all__ = ["EagerUnit", "live_gathers"]
+
+live_gathers: dict[int, EagerUnit] = {}
+"""Storage address of each unit's gathered buffer while its forward runs -> the unit's eager state."""
 
 
 class _SavedView:
     """What autograd keeps, in eager mode, instead of a view of a gathered unit: where the view was. The
     unit is gathered again when backward first needs it (reshard after forward)."""
 
-    __slots__ = ("__weakref__", "state", "offset", "shape", "stride", "release")
+    __slots__ = ("__weakref__", "unit", "offset", "shape", "stride", "release")
 
-    def __init__(self, state: UnitState, tensor: torch.Tensor) -> None:
-        self.state = state
+    def __init__(self, unit: EagerUnit, tensor: torch.Tensor) -> None:
+        self.unit = unit
         self.offset = tensor.storage_offset()
         self.shape = tuple(tensor.shape)
         self.stride = tuple(tensor.stride())
-        state._pending += 1
+        unit._pending += 1
         # A view that is never unpacked (no backward) still releases the unit when autograd drops it.
-        self.release = weakref.finalize(self, state._release_regathered)
+        self.release = weakref.finalize(self, unit._release_regathered)
 
 
-live_gathers: dict[int, UnitState] = {}
-"""Eager mode: storage address of each unit's gathered buffer while its forward runs -> the unit."""
-
-
-def pack(tensor: torch.Tensor) -> torch.Tensor | _SavedView:
+def _pack(tensor: torch.Tensor) -> torch.Tensor | _SavedView:
     try:
-        state = live_gathers.get(tensor.untyped_storage().data_ptr())
+        unit = live_gathers.get(tensor.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # tensors without a plain storage (subclasses, sparse)
         return tensor
-    return _SavedView(state, tensor) if state is not None else tensor
+    return _SavedView(unit, tensor) if unit is not None else tensor
 
 
-def unpack(saved: torch.Tensor | _SavedView) -> torch.Tensor:
+def _unpack(saved: torch.Tensor | _SavedView) -> torch.Tensor:
     if isinstance(saved, torch.Tensor):
         return saved
-    state = saved.state
-    if state._regathered is None:
-        with torch.no_grad():
-            state._regathered = state.gather()
-        counters["fsdp_compile"]["eager_regathers"] += 1
-    tensor = state._regathered.as_strided(saved.shape, saved.stride, saved.offset)
-    if saved.release.detach() is not None:
-        state._release_regathered()
-    elif state._pending == 0:  # unpacked again (retain_graph): do not keep the unit gathered
-        state._regathered = None
-    return tensor
+    return saved.unit._unpack(saved)
+
+
+class EagerUnit:
+    """The eager-mode state of one unit, held by the unit (``UnitState.eager``).
+
+    ``gather`` all-gathers the unit (differentiable, cast to ``param_dtype``). ``reshard``: drop the gathered
+    buffer after the unit's forward and gather again in backward (off for units kept gathered, and for a
+    group of one rank, whose "gather" is the shard itself)."""
+
+    def __init__(self, gather: Callable[[], torch.Tensor], *, reshard: bool) -> None:
+        self._gather = gather
+        self._reshard = reshard
+        self.gathered: torch.Tensor | None = None
+        """The gathered unit while the unit's forward runs."""
+        self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
+        self._regathered: torch.Tensor | None = None
+        self._pending = 0
+
+    @property
+    def regathered(self) -> torch.Tensor | None:
+        """The unit gathered again in backward, while saved views of it are still to be unpacked."""
+        return self._regathered
+
+    @property
+    def pending(self) -> int:
+        """Saved views of the unit that backward has not unpacked yet."""
+        return self._pending
+
+    def param(self, offset: int, numel: int, shape: tuple[int, ...]) -> torch.Tensor:
+        """A parameter of the unit: a view of the buffer its forward gathered, or of one gathered for it."""
+        gathered = self.gathered if self.gathered is not None else self._gather()
+        return gathered[offset : offset + numel].view(shape)
+
+    def pre_forward(self, module: torch.nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self.gathered = self._gather()
+        if self._reshard:
+            live_gathers[self.gathered.untyped_storage().data_ptr()] = self
+            self._hooks.append(torch.autograd.graph.saved_tensors_hooks(_pack, _unpack))
+            self._hooks[-1].__enter__()
+
+    def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or self.gathered is None:
+            return
+        if self._hooks:
+            self._hooks.pop().__exit__(None, None, None)
+            del live_gathers[self.gathered.untyped_storage().data_ptr()]
+        self.gathered = None
+
+    def _unpack(self, saved: _SavedView) -> torch.Tensor:
+        if self._regathered is None:
+            with torch.no_grad():
+                self._regathered = self._gather()
+            counters["fsdp_compile"]["eager_regathers"] += 1
+        tensor = self._regathered.as_strided(saved.shape, saved.stride, saved.offset)
+        if saved.release.detach() is not None:
+            self._release_regathered()
+        elif self._pending == 0:  # unpacked again (retain_graph): do not keep the unit gathered
+            self._regathered = None
+        return tensor
+
+    def _release_regathered(self) -> None:
+        self._pending -= 1
+        if self._pending == 0:
+            self._regathered = None

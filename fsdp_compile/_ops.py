@@ -2,15 +2,15 @@
 
 * ``fsdp_compile::unshard`` — a marker, never executed: under ``torch.compile`` every read of a sharded
   parameter becomes one call ``unshard(flat_shard, accum, offset, numel, shape, dtype)``. The backend's
-  ``insert_collectives`` pass replaces all markers of one unit by ONE all-gather (``gather_unit``) and a
-  view per parameter. A marker that survives means the graph was compiled by another backend.
-* ``gather_unit(shard, accum, ...)`` — the unit's collective pair as one autograd function: forward casts
-  the flat shard to ``param_dtype`` and all-gathers it; backward averages the gradient over the group in
-  ``reduce_dtype`` and casts it back to the shard's dtype. The average is a reduce-scatter in
-  ``reduce_dtype``, or, with ``exchange`` (``reduce_dtype`` wider than the gradient's ``param_dtype``), an
-  all-to-all of the gradient in ``param_dtype`` followed by a local sum in ``reduce_dtype``: the same sums
-  at a fraction of the bytes. Its body uses only ``_c10d_functional`` ops, so AOTAutograd traces it into
-  the forward and backward graphs.
+  ``insert_collectives`` pass replaces all markers of one unit by ONE all-gather
+  (``cast_all_gather_differentiable``) and a view per parameter. A marker that survives means the graph was compiled by another backend.
+* ``cast_all_gather_differentiable(shard, accum, ...)`` — the unit's collective pair as one autograd
+  function: forward casts the flat shard to ``param_dtype`` and all-gathers it; backward averages the
+  gradient over the group in ``reduce_dtype`` and casts it back to the shard's dtype. ``grad_reduction``
+  says how: ``"reduce_scatter"`` in ``reduce_dtype``, or ``"all_to_all"`` (``reduce_dtype`` wider than the
+  gradient's ``param_dtype``): the gradient is exchanged in ``param_dtype`` and each rank sums its parts in
+  ``reduce_dtype``, the same sums at a fraction of the bytes. Its body uses only ``_c10d_functional`` ops,
+  so AOTAutograd traces it into the forward and backward graphs.
   With ``accum`` (a full-size leaf tensor in ``reduce_dtype``; gradient sync switched off), backward does
   no collective: the full gradient goes to ``accum`` and autograd accumulates it there across
   micro-batches; ``shard`` gets none (see ``set_requires_gradient_sync``).
@@ -18,22 +18,34 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Literal
 
 import torch
-import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops' autograd)
 
-__all__ = ["KEEP_GATHERED", "all_gather", "exchange_avg", "gather_unit", "reduce_scatter_avg", "unshard"]
+from fsdp_compile._internals import c10d_functional as _c10d
 
-_c10d = torch.ops._c10d_functional
+__all__ = [
+    "GradReduction",
+    "KEEP_GATHERED",
+    "all_gather_nograd",
+    "all_to_all_avg",
+    "cast_all_gather_differentiable",
+    "reduce_scatter_avg",
+    "unshard",
+]
+
+GradReduction = Literal["reduce_scatter", "all_to_all"]
+"""How a unit's gradient is averaged over its group: a reduce-scatter in ``reduce_dtype``, or an all-to-all
+in the gradient's own dtype followed by each rank's sum of its parts in ``reduce_dtype``."""
 
 KEEP_GATHERED = "fsdp_compile.keep_gathered"
-"""Key in a ``gather_unit`` node's ``meta["custom"]`` (which tracing copies onto the nodes it becomes): the
+"""Key in a ``cast_all_gather_differentiable`` node's ``meta["custom"]`` (which tracing copies onto the nodes it becomes): the
 unit is not resharded after forward."""
 
 
-def all_gather(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
-    """Functional all-gather of a 1-D tensor along dim 0, waited for."""
+def all_gather_nograd(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    """Functional all-gather of a 1-D tensor along dim 0, waited for; no cast. Not for autograd: call it
+    under ``torch.no_grad()`` or inside an autograd function."""
     return _c10d.wait_tensor(_c10d.all_gather_into_tensor(tensor, world_size, group_name))
 
 
@@ -42,7 +54,7 @@ def reduce_scatter_avg(tensor: torch.Tensor, world_size: int, group_name: str) -
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(tensor.contiguous(), "avg", world_size, group_name))
 
 
-def exchange_avg(tensor: torch.Tensor, reduce_dtype: torch.dtype, world_size: int, group_name: str) -> torch.Tensor:
+def all_to_all_avg(tensor: torch.Tensor, reduce_dtype: torch.dtype, world_size: int, group_name: str) -> torch.Tensor:
     """What ``reduce_scatter_avg(tensor.to(reduce_dtype))`` computes, with ``tensor`` sent in its own dtype:
     every rank sends each other rank that rank's part of ``tensor`` (all-to-all), then averages the parts it
     received in ``reduce_dtype`` (each part divided by the world size, then summed in rank order). Bitwise
@@ -78,41 +90,41 @@ class _GatherUnit(torch.autograd.Function):
         accum: torch.Tensor | None,
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
-        exchange: bool,
+        grad_reduction: GradReduction,
         world_size: int,
         group_name: str,
     ) -> torch.Tensor:
         ctx.shard_dtype = shard.dtype
         ctx.reduce_dtype = reduce_dtype
-        ctx.exchange = exchange
+        ctx.grad_reduction = grad_reduction
         ctx.world_size = world_size
         ctx.group_name = group_name
         ctx.accumulate_unsharded = accum is not None
-        return all_gather(shard.to(param_dtype), world_size, group_name)
+        return all_gather_nograd(shard.to(param_dtype), world_size, group_name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         if ctx.accumulate_unsharded:
             return None, grad.to(ctx.reduce_dtype), None, None, None, None, None
-        if ctx.exchange:
-            reduced = exchange_avg(grad, ctx.reduce_dtype, ctx.world_size, ctx.group_name)
+        if ctx.grad_reduction == "all_to_all":
+            reduced = all_to_all_avg(grad, ctx.reduce_dtype, ctx.world_size, ctx.group_name)
         else:
             reduced = reduce_scatter_avg(grad.to(ctx.reduce_dtype), ctx.world_size, ctx.group_name)
         return reduced.to(ctx.shard_dtype), None, None, None, None, None, None
 
 
-def gather_unit(
+def cast_all_gather_differentiable(
     shard: torch.Tensor,
     accum: torch.Tensor | None,
     param_dtype: torch.dtype,
     reduce_dtype: torch.dtype,
-    exchange: bool,
+    grad_reduction: GradReduction,
     world_size: int,
     group_name: str,
 ) -> torch.Tensor:
-    """All-gather one unit's flat shard (cast to ``param_dtype``); gradients are averaged over the group in
-    ``reduce_dtype`` (sent in ``param_dtype`` with ``exchange``) and reach ``shard`` in its own dtype, or,
-    with ``accum``, reach ``accum`` unreduced. A group of one rank needs no collective."""
+    """All-gather one unit's flat shard, cast to ``param_dtype``. Differentiable: gradients are averaged over
+    the group in ``reduce_dtype`` (by ``grad_reduction``) and reach ``shard`` in its own dtype, or, with
+    ``accum``, reach ``accum`` unreduced. A group of one rank needs no collective."""
     if world_size == 1:
         return shard.to(param_dtype)
-    return _GatherUnit.apply(shard, accum, param_dtype, reduce_dtype, exchange, world_size, group_name)
+    return _GatherUnit.apply(shard, accum, param_dtype, reduce_dtype, grad_reduction, world_size, group_name)

@@ -5,22 +5,21 @@ Full state dicts are independent of the world size: save on N ranks, load on M.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_compile._layout import ParamSlot
-from fsdp_compile._shard import UnitState, sharded_units
+from fsdp_compile._unit import UnitState, sharded_units
 
 __all__ = ["full_optimizer_state_dict", "full_state_dict", "load_full_optimizer_state_dict", "load_full_state_dict"]
 
 
-def _pieces(module: nn.Module) -> Iterator[tuple[UnitState, nn.Parameter, ParamSlot]]:
-    for state in sharded_units(module):
-        for piece, slot, _, _ in state.pieces:
-            yield state, piece, slot
+def _slots_by_param(module: nn.Module) -> dict[int, tuple[UnitState, ParamSlot]]:
+    """id(piece parameter) -> its unit and slot."""
+    return {id(piece.param): (state, piece.slot) for state in sharded_units(module) for piece in state.pieces}
 
 
 def _emit(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
@@ -38,10 +37,10 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
     keep = not rank0_only or torch.distributed.get_rank() == 0
     full: dict[int, torch.Tensor] = {}
     for state in sharded_units(module):
-        values = state.gather_full()
+        values = state.all_gather_params_nograd()
         if keep:
-            for (piece, _, _, _), value in zip(state.pieces, values):
-                full[id(piece)] = _emit(value, cpu_offload)
+            for piece, value in zip(state.pieces, values):
+                full[id(piece.param)] = _emit(value, cpu_offload)
     if not keep:
         return {}
     return {
@@ -64,7 +63,7 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
     every key and shape matches."""
     current = module.state_dict(keep_vars=True)
     _check_keys(list(current), state_dict, "state_dict")
-    slots = {id(piece): (state, slot) for state, piece, slot in _pieces(module)}
+    slots = _slots_by_param(module)
     for key, value in current.items():
         want = slots[id(value)][1].shape if id(value) in slots else tuple(value.shape)
         if tuple(state_dict[key].shape) != want:
@@ -106,10 +105,10 @@ def full_optimizer_state_dict(
     names = _names(module)
     state_out: dict[str, dict[str, Any]] = {}
     for unit in sharded_units(module):
-        pieces = [piece for piece, _, _, _ in unit.pieces]
+        pieces = [piece.param for piece in unit.pieces]
         for key in _per_element_keys(optimizer, pieces):
             like = next(optimizer.state[p][key] for p in pieces if key in optimizer.state.get(p, {}))
-            values = unit.gather_pieces(lambda piece: optimizer.state.get(piece, {}).get(key), like)
+            values = unit.all_gather_pieces_nograd(lambda piece: optimizer.state.get(piece, {}).get(key), like)
             for piece, value in zip(pieces, values):
                 if keep and piece in optimizer.state:
                     state_out.setdefault(names[id(piece)], {})[key] = _emit(value, cpu_offload)
@@ -137,7 +136,7 @@ def load_full_optimizer_state_dict(
     mine = [[names[id(p)] for p in g["params"]] for g in groups]
     if mine != [list(g["params"]) for g in given_groups]:
         raise ValueError("the optimizer's parameter groups (by name) differ from the saved ones; build it the same way")
-    slots = {id(piece): (unit, slot) for unit, piece, slot in _pieces(module)}
+    slots = _slots_by_param(module)
     index = {names[id(p)]: i for i, p in enumerate(p for g in groups for p in g["params"])}
     by_name = {names[id(p)]: p for g in groups for p in g["params"]}
     local_state: dict[int, dict[str, Any]] = {}

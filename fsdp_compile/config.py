@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import InitVar, dataclass
 from typing import Literal
 
 import torch
@@ -32,10 +33,7 @@ class MixedPrecision:
     prefer it across many nodes, where NCCL's ring reduce-scatter scales better than an all-to-all)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.exchange_grads_in_param_dtype, bool):
-            raise TypeError(
-                f"MixedPrecision.exchange_grads_in_param_dtype must be a bool, got {self.exchange_grads_in_param_dtype!r}"
-            )
+        _check_bool("MixedPrecision.exchange_grads_in_param_dtype", self.exchange_grads_in_param_dtype)
         for field in ("param_dtype", "reduce_dtype"):
             dtype = getattr(self, field)
             if dtype is None:
@@ -56,14 +54,14 @@ class BackendConfig:
     ``"aot_eager"``, which runs the same AOT graphs op by op (fast to build; for debugging and tests)."""
 
     overlap: bool = True
-    """Run the ``schedule_overlap`` pass (prefetch all-gathers, sink waits, overlap reduce-scatters).
+    """Run the ``schedule_overlap`` pass (prefetch all-gathers, sink waits, overlap gradient reductions).
     ``False`` keeps each collective where its result is first needed (for A/B measurements)."""
 
     prefetch: int = 1
     """How many units ahead an all-gather is issued (forward, and in reverse order in backward). Each unit
     of prefetch keeps one more gathered unit alive."""
 
-    max_inflight_reduce_scatters: int = 2
+    max_inflight_grad_reductions: int = 2
     """Gradient reductions (reduce-scatters, or all-to-alls: see ``MixedPrecision``) allowed in flight at
     once in backward; each holds its unit's gradient buffer, in the dtype it travels in, until it is waited
     for."""
@@ -71,8 +69,8 @@ class BackendConfig:
     all_gather: Literal["nccl", "copy_engine"] = "nccl"
     """How the units' all-gathers run on GPUs. ``"nccl"``: NCCL kernels (they hold SMs while they run).
     ``"copy_engine"``: peer-to-peer memcpys through symmetric memory, on the GPUs' copy engines, leaving
-    the SMs to the matmuls they overlap with (``fsdp_compile/lowering/lower_to_symm_mem.py``). Needs CUDA
-    tensors, a torch with symmetric memory, and GPUs with peer access (NVLink)."""
+    the SMs to the matmuls they overlap with (``lowering/lower_to_symm_mem.py``). Needs CUDA tensors, a
+    torch with symmetric memory, and GPUs with peer access (NVLink)."""
 
     cudagraphs: bool = False
     """Run the forward and backward graphs as CUDA graphs (Inductor's ``triton.cudagraphs``): one replay
@@ -82,21 +80,50 @@ class BackendConfig:
     read a step's outputs (e.g. ``loss.item()``) before the next step, which reuses their memory. Graphs
     on CPU tensors run without (Inductor logs why). Needs ``compiler="inductor"``."""
 
-    def __post_init__(self) -> None:
-        if self.compiler not in ("inductor", "aot_eager"):
-            raise ValueError(f"compiler must be 'inductor' or 'aot_eager', got {self.compiler!r}")
-        if self.all_gather not in ("nccl", "copy_engine"):
-            raise ValueError(f"all_gather must be 'nccl' or 'copy_engine', got {self.all_gather!r}")
-        if not isinstance(self.cudagraphs, bool):
-            raise TypeError(f"cudagraphs must be a bool, got {self.cudagraphs!r}")
+    max_inflight_reduce_scatters: InitVar[int | None] = None
+    """Deprecated name of ``max_inflight_grad_reductions`` (it counts all-to-alls too); still accepted,
+    with a FutureWarning."""
+
+    def __post_init__(self, max_inflight_reduce_scatters: int | None) -> None:
+        if max_inflight_reduce_scatters is not None:
+            if self.max_inflight_grad_reductions != 2:
+                raise TypeError(
+                    "give max_inflight_grad_reductions or its old name max_inflight_reduce_scatters, not both"
+                )
+            warnings.warn(
+                "fsdp_compile: max_inflight_reduce_scatters is deprecated (it counts all-to-alls too): "
+                "use max_inflight_grad_reductions",
+                FutureWarning,
+                stacklevel=3,
+            )
+            object.__setattr__(self, "max_inflight_grad_reductions", max_inflight_reduce_scatters)
+        _check_choice("compiler", self.compiler, ("inductor", "aot_eager"))
+        _check_choice("all_gather", self.all_gather, ("nccl", "copy_engine"))
+        for name in ("overlap", "cudagraphs"):
+            _check_bool(name, getattr(self, name))
+        _check_int("prefetch", self.prefetch, minimum=0, meaning="units issued ahead")
+        _check_int("max_inflight_grad_reductions", self.max_inflight_grad_reductions, minimum=1, meaning="reductions in flight")
         if self.cudagraphs and self.compiler != "inductor":
             raise ValueError(
                 "cudagraphs=True needs compiler='inductor' (CUDA graphs are an Inductor feature), "
                 f"got compiler={self.compiler!r}"
             )
-        if not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise ValueError(f"prefetch must be an int >= 0 (units issued ahead), got {self.prefetch!r}")
-        if not isinstance(self.max_inflight_reduce_scatters, int) or self.max_inflight_reduce_scatters < 1:
-            raise ValueError(
-                f"max_inflight_reduce_scatters must be an int >= 1, got {self.max_inflight_reduce_scatters!r}"
-            )
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name} must be {' or '.join(map(repr, choices))}, got {value!r}")
+
+
+def _check_bool(name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {value!r}")
+
+
+def _check_int(name: str, value: object, *, minimum: int, meaning: str) -> None:
+    """An int option: a bool is refused too (``isinstance(True, int)`` holds, but ``prefetch=True`` is a
+    mistake, not 1)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int >= {minimum} ({meaning}), got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be an int >= {minimum} ({meaning}), got {value!r}")

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import torch.fx as fx
-from torch._logging import trace_structured
+
+from fsdp_compile._internals import trace_structured
 
 __all__ = ["CapturedGraph", "artifact", "capture_graphs"]
 

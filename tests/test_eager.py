@@ -22,7 +22,7 @@ def _reshard_after_forward(rank: int, world_size: int) -> None:
     for unit in units:
         module = model.get_submodule(unit.layout.fqn)
         # Runs after shard()'s own pre-hook, which has gathered the unit.
-        module.register_forward_pre_hook(lambda m, a, unit=unit: gathered.append(weakref.ref(unit.gathered)))
+        module.register_forward_pre_hook(lambda m, a, unit=unit: gathered.append(weakref.ref(unit.eager.gathered)))
     tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
     counters.clear()
     loss = model(tokens[:, :-1], tokens[:, 1:])
@@ -33,11 +33,11 @@ def _reshard_after_forward(rank: int, world_size: int) -> None:
     while any(ref() is not None for ref in gathered) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert all(ref() is None for ref in gathered), "a gathered unit outlived its forward"
-    assert not live_gathers and all(u.gathered is None for u in units)
+    assert not live_gathers and all(u.eager.gathered is None for u in units)
     loss.backward()
     # Backward gathers each unit once more, for the parameters its gradients need, and lets it go.
     assert counters["fsdp_compile"]["eager_regathers"] == len(units)
-    assert all(u._regathered is None and u._pending == 0 for u in units)
+    assert all(u.eager.regathered is None and u.eager.pending == 0 for u in units)
     assert all(p.grad is not None for p in model.parameters())
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 import fsdp_compile
-from fsdp_compile._ops import gather_unit
+from fsdp_compile._ops import cast_all_gather_differentiable
 from fsdp_compile.passes.insert_collectives import is_marker
 from fsdp_compile.testing.graphs import compile_and_capture
 from fsdp_compile.testing.llama import LLAMA_TINY, LlamaConfig
@@ -72,7 +72,7 @@ def _reductions(gm: fx.GraphModule) -> list[fx.Node]:
 
 def test_dynamo_graph_has_one_gather_per_unit_and_no_marker(graphs: dict[str, fx.GraphModule]) -> None:
     dynamo = graphs["dynamo"]
-    assert _count(dynamo, gather_unit) == N_UNITS
+    assert _count(dynamo, cast_all_gather_differentiable) == N_UNITS
     assert not any(is_marker(n) for n in dynamo.graph.nodes)
 
 

@@ -120,7 +120,7 @@ def test_prefetch_keeps_at_most_prefetch_more_units_alive(prefetch: int) -> None
     for stage, gm in graphs.items():
         # Without prefetch: the unit being computed (and, in forward, the root, used again at the end).
         assert _max_alive(gm) <= _max_alive(baseline[stage]) + prefetch, stage
-        plan = plan_overlap(gm.graph, prefetch=prefetch, max_inflight_reduce_scatters=2)
+        plan = plan_overlap(gm.graph, prefetch=prefetch, max_inflight_grad_reductions=2)
         unit_bytes = max(n.meta["val"].numel() * n.meta["val"].element_size() for n in gm.graph.nodes if n.target == WAIT)
         assert plan.extra_bytes >= prefetch * unit_bytes
 
@@ -128,5 +128,5 @@ def test_prefetch_keeps_at_most_prefetch_more_units_alive(prefetch: int) -> None
 def test_bad_options() -> None:
     with pytest.raises(ValueError, match="prefetch must be an int >= 0"):
         fsdp_compile.backend(prefetch=-1)
-    with pytest.raises(ValueError, match="max_inflight_reduce_scatters must be an int >= 1"):
-        fsdp_compile.backend(max_inflight_reduce_scatters=0)
+    with pytest.raises(ValueError, match="max_inflight_grad_reductions must be an int >= 1"):
+        fsdp_compile.backend(max_inflight_grad_reductions=0)

@@ -7,7 +7,7 @@ import copy
 import torch
 from torch import nn
 
-from fsdp_compile._shard import sharded_units
+from fsdp_compile._unit import sharded_units
 
 __all__ = ["full_grads", "reference_step", "rel_error"]
 
@@ -47,6 +47,6 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
     """The full gradient of every parameter of a sharded module, by its first name (a collective)."""
     grads = {}
     for state in sharded_units(module):
-        for slot, grad in zip(state.layout.slots, state.gather_pieces(lambda piece: piece.grad, state.flat)):
+        for slot, grad in zip(state.layout.slots, state.all_gather_pieces_nograd(lambda piece: piece.grad, state.flat)):
             grads[slot.names[0]] = grad
     return grads

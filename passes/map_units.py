@@ -9,7 +9,7 @@ Postcondition: none (analysis only).
 
 Example::
 
-    def forward(self, L_x_, flat_0, flat_1):               UnitInputs(units={
+    def forward(self, L_x_, flat_0, flat_1):               UnitInputsPlan(units={
         ... tag_activation_checkpoint(wrap_body_0, x, flat_1)     ("", "flat_0"): <root>,
     wrap_body_0: def forward(self, x, flat_1): ...              ("", "flat_1"): layers.0,
                                                                 ("wrap_body_0", "flat_1"): layers.0})
@@ -18,25 +18,26 @@ Example::
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.fx as fx
 
-from fsdp_compile._shard import UnitState, unit_of_shard
+from fsdp_compile._unit import UnitState, unit_of_shard
 
-__all__ = ["UnitInputs", "iter_graphs", "plan_unit_inputs"]
+__all__ = ["UnitInputsPlan", "iter_graphs", "plan_unit_inputs"]
 
 _SUBGRAPH_HOPS = (torch.ops.higher_order.tag_activation_checkpoint, torch.ops.higher_order.wrap)
 """Higher-order ops called as ``hop(body_get_attr, *operands)`` whose body sees the operands in order."""
 
 
 @dataclass(frozen=True)
-class UnitInputs:
+class UnitInputsPlan:
     """The placeholders that are flat shards, by (graph path, placeholder name), with their units."""
 
-    units: dict[tuple[str, str], UnitState]
+    units: Mapping[tuple[str, str], UnitState]
 
     def to_json(self) -> str:
         return json.dumps({f"{graph}/{name}": state.layout.fqn for (graph, name), state in self.units.items()})
@@ -69,11 +70,11 @@ def _map_subgraphs(gm: fx.GraphModule, path: str, units: dict[tuple[str, str], U
         _map_subgraphs(sub, sub_path, units)
 
 
-def plan_unit_inputs(gm: fx.GraphModule, example_inputs: Sequence[object]) -> UnitInputs:
-    units = {}
+def plan_unit_inputs(gm: fx.GraphModule, example_inputs: Sequence[object]) -> UnitInputsPlan:
+    units: dict[tuple[str, str], UnitState] = {}
     for node, value in zip(_placeholders(gm), example_inputs):
         state = unit_of_shard(value)
         if state is not None:
             units[("", node.name)] = state
     _map_subgraphs(gm, "", units)
-    return UnitInputs(units=units)
+    return UnitInputsPlan(units=MappingProxyType(units))

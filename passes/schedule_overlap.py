@@ -1,22 +1,22 @@
 """Schedule the units' collectives to overlap with compute: prefetch all-gathers, sink waits, overlap
-reduce-scatters under a bound.
+gradient reductions under a bound.
 
 Precondition: a post-grad forward or backward graph (what Inductor lowers) holding the units'
 ``all_gather_into_tensor`` -> ``wait_tensor`` chains (their input: a flat shard placeholder, possibly
 cast) and, in backward, the gradient reductions: ``reduce_scatter_tensor`` (or ``all_to_all_single``, when
-gradients travel in ``param_dtype``) -> ``wait_tensor`` chains. "Reduce-scatter" below means either.
+gradients travel in ``param_dtype``) -> ``wait_tensor`` chains: the gradient reductions.
 Postcondition: the same nodes in a new, deterministic, topologically valid order:
 - all-gathers, ordered by the first use of their result, are issued ``prefetch`` units ahead: unit i's
   all-gather (and its cast) just before unit i-prefetch's wait (the first ``prefetch`` + 1 before the
   first unit's wait); each all-gather's wait sits right before the first use of the gathered buffer;
-- each reduce-scatter stays where its input is ready; its wait, and what only the graph output needs from
+- each gradient reduction stays where its input is ready; its wait, and what only the graph output needs from
   it (the local sum of an all-to-all, the cast back to the shard's dtype), move down to just before the
-  reduce-scatter that comes ``max_inflight_reduce_scatters`` later, or to the end of the graph.
+  gradient reduction that comes ``max_inflight_grad_reductions`` later, or to the end of the graph.
 Nothing depends on the rank: every rank computes the same order. Inductor issues collectives and waits in
 graph order, so this order is the runtime order (see tests/test_codegen.py).
 
 Memory: at most ``prefetch + 1`` gathered units are alive at once (each is freed after its last use), and
-at most ``max_inflight_reduce_scatters`` reduce-scatter inputs wait for their collective;
+at most ``max_inflight_grad_reductions`` gradient buffers wait for their collective;
 ``OverlapPlan.extra_bytes`` estimates what the schedule adds over issuing each collective at its use.
 
 Example (forward, prefetch 1)::
@@ -28,25 +28,17 @@ Example (forward, prefetch 1)::
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fsdp_compile.debug import artifact
+from fsdp_compile._graph import ALL_GATHER, CASTS, GRAD_REDUCTIONS, GraphPass, nbytes, producers, wait_of
 
 __all__ = ["OverlapPlan", "ScheduleOverlap", "apply_overlap", "plan_overlap"]
 
 log = logging.getLogger(__name__)
-
-_c10d = torch.ops._c10d_functional
-_REDUCTIONS = (_c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default)
-"""A unit's gradient reduction: a reduce-scatter, or an all-to-all (gradients exchanged in param_dtype)."""
-_MOVABLE_INPUTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
 @dataclass(frozen=True)
@@ -55,9 +47,10 @@ class OverlapPlan:
     """Every node of the graph, by name, in the new order."""
     gathers: tuple[str, ...]
     """The all-gathers, in the order their results are first used."""
-    reduce_scatters: tuple[str, ...]
+    grad_reductions: tuple[str, ...]
+    """The gradient reductions (reduce-scatters or all-to-alls), in graph order."""
     prefetch: int
-    max_inflight_reduce_scatters: int
+    max_inflight_grad_reductions: int
     extra_bytes: int
     """Estimated peak-memory cost of the schedule: ``prefetch`` more gathered units plus the reduce-scatter
     inputs kept in flight."""
@@ -66,31 +59,17 @@ class OverlapPlan:
         return json.dumps(
             {
                 "gathers": self.gathers,
-                "reduce_scatters": self.reduce_scatters,
+                "grad_reductions": self.grad_reductions,
                 "prefetch": self.prefetch,
-                "max_inflight_reduce_scatters": self.max_inflight_reduce_scatters,
+                "max_inflight_grad_reductions": self.max_inflight_grad_reductions,
                 "extra_bytes": self.extra_bytes,
             }
         )
 
 
-def _nbytes(node: fx.Node) -> int:
-    val = node.meta.get("val")
-    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
-
-
-def _wait_of(node: fx.Node) -> fx.Node | None:
-    waits = [u for u in node.users if u.target == _c10d.wait_tensor.default]
-    return waits[0] if len(waits) == 1 else None
-
-
 def _input_chain(ag: fx.Node) -> list[fx.Node] | None:
     """The casts between a placeholder and the all-gather, if that is all it reads (else: not movable)."""
-    chain = []
-    source = ag.args[0]
-    while isinstance(source, fx.Node) and source.target in _MOVABLE_INPUTS and len(source.users) == 1:
-        chain.insert(0, source)
-        source = source.args[0]
+    chain, source = producers(ag, lambda n: n.target in CASTS and len(n.users) == 1)
     return chain if isinstance(source, fx.Node) and source.op == "placeholder" else None
 
 
@@ -112,18 +91,18 @@ def _tail(wait: fx.Node, output: fx.Node, position: dict[fx.Node, int]) -> list[
     return sorted(tail, key=position.__getitem__)
 
 
-def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_reduce_scatters: int) -> OverlapPlan:
-    if prefetch < 0 or max_inflight_reduce_scatters < 1:
-        raise ValueError("prefetch must be >= 0 and max_inflight_reduce_scatters >= 1")
+def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions: int) -> OverlapPlan:
+    if prefetch < 0 or max_inflight_grad_reductions < 1:
+        raise ValueError("prefetch must be >= 0 and max_inflight_grad_reductions >= 1")
     nodes = list(graph.nodes)
     position = {n: i for i, n in enumerate(nodes)}
     (output,) = [n for n in nodes if n.op == "output"]
 
     gathers = []  # (anchor: first use of the gathered buffer, ag, wait, moved chain)
     for node in nodes:
-        if node.target != _c10d.all_gather_into_tensor.default:
+        if node.target != ALL_GATHER:
             continue
-        wait, chain = _wait_of(node), _input_chain(node)
+        wait, chain = wait_of(node), _input_chain(node)
         if wait is None or chain is None or not wait.users:
             continue
         gathers.append((min(wait.users, key=position.__getitem__), node, wait, chain))
@@ -131,7 +110,7 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_reduce_scatters
 
     scatters = []  # (rs, tail)
     for node in nodes:
-        if node.target in _REDUCTIONS and (wait := _wait_of(node)) is not None:
+        if node.target in GRAD_REDUCTIONS and (wait := wait_of(node)) is not None:
             scatters.append((node, _tail(wait, output, position)))
 
     moved = {n for _, ag, wait, chain in gathers for n in (*chain, ag, wait)}
@@ -142,7 +121,7 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_reduce_scatters
         issue_before = gathers[max(i - prefetch, 0)][2]  # the wait of the unit `prefetch` units earlier
         before.setdefault(issue_before, []).extend([*chain, ag])
     for j, (_, tail) in enumerate(scatters):
-        later = scatters[j + max_inflight_reduce_scatters][0] if j + max_inflight_reduce_scatters < len(scatters) else output
+        later = scatters[j + max_inflight_grad_reductions][0] if j + max_inflight_grad_reductions < len(scatters) else output
         before.setdefault(later, []).extend(tail)
 
     order: list[fx.Node] = []
@@ -162,48 +141,47 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_reduce_scatters
     if not valid:
         log.warning("schedule_overlap: no valid order found for this graph; keeping the original order")
         order = nodes
-    unit_bytes = max((_nbytes(w) for _, _, w, _ in gathers), default=0)
-    rs_bytes = max((_nbytes(rs.args[0]) for rs, _ in scatters if isinstance(rs.args[0], fx.Node)), default=0)
+    unit_bytes = max((nbytes(w) for _, _, w, _ in gathers), default=0)
+    rs_bytes = max((nbytes(rs.args[0]) for rs, _ in scatters if isinstance(rs.args[0], fx.Node)), default=0)
     return OverlapPlan(
         order=tuple(n.name for n in order),
         gathers=tuple(ag.name for _, ag, _, _ in gathers),
-        reduce_scatters=tuple(rs.name for rs, _ in scatters),
+        grad_reductions=tuple(rs.name for rs, _ in scatters),
         prefetch=prefetch,
-        max_inflight_reduce_scatters=max_inflight_reduce_scatters,
-        extra_bytes=prefetch * unit_bytes + (max_inflight_reduce_scatters - 1) * rs_bytes if valid else 0,
+        max_inflight_grad_reductions=max_inflight_grad_reductions,
+        extra_bytes=prefetch * unit_bytes + (max_inflight_grad_reductions - 1) * rs_bytes if valid else 0,
     )
 
 
-def apply_overlap(gm: fx.GraphModule | fx.Graph, plan: OverlapPlan) -> None:
-    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
-    nodes = {n.name: n for n in graph.nodes}
+def apply_overlap(gm: fx.GraphModule, plan: OverlapPlan) -> None:
+    nodes = {n.name: n for n in gm.graph.nodes}
     previous = None
     for name in plan.order:
         node = nodes[name]
         if previous is not None and previous.next is not node:
             previous.append(node)
         previous = node
-    graph.lint()
-    if isinstance(gm, fx.GraphModule):
-        gm.recompile()
+    gm.graph.lint()
+    gm.recompile()
 
 
-class ScheduleOverlap(CustomGraphPass):
-    """The pass as Inductor's ``post_grad_custom_post_pass`` (runs on the forward and backward graphs)."""
+class ScheduleOverlap(GraphPass):
+    """The pass as part of Inductor's ``post_grad_custom_post_pass`` (runs on the forward and backward graphs)."""
 
-    def __init__(self, *, prefetch: int, max_inflight_reduce_scatters: int) -> None:
+    name = "schedule_overlap"
+
+    def __init__(self, *, prefetch: int, max_inflight_grad_reductions: int) -> None:
         self.prefetch = prefetch
-        self.max_inflight_reduce_scatters = max_inflight_reduce_scatters
+        self.max_inflight_grad_reductions = max_inflight_grad_reductions
 
-    def __call__(self, graph: fx.Graph) -> None:
-        plan = plan_overlap(
-            graph, prefetch=self.prefetch, max_inflight_reduce_scatters=self.max_inflight_reduce_scatters
-        )
-        apply_overlap(graph, plan)
-        artifact("overlap_plan", plan.to_json)
-        log.info("schedule_overlap: %d all-gathers, %d reduce-scatters", len(plan.gathers), len(plan.reduce_scatters))
+    def plan(self, graph: fx.Graph) -> OverlapPlan:
+        return plan_overlap(graph, prefetch=self.prefetch, max_inflight_grad_reductions=self.max_inflight_grad_reductions)
 
-    def uuid(self) -> bytes:
-        with open(__file__, "rb") as f:
-            source = f.read()
-        return hashlib.sha256(source + f"{self.prefetch},{self.max_inflight_reduce_scatters}".encode()).digest()
+    def apply(self, gm: fx.GraphModule, plan: OverlapPlan) -> None:
+        apply_overlap(gm, plan)
+
+    def summary(self, plan: OverlapPlan) -> str:
+        return f"{len(plan.gathers)} all-gathers, {len(plan.grad_reductions)} gradient reductions"
+
+    def options(self) -> str:
+        return f"{self.prefetch},{self.max_inflight_grad_reductions}"

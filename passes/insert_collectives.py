@@ -2,7 +2,7 @@
 
 Precondition: a Dynamo graph whose reads of sharded parameters are ``fsdp_compile::unshard`` markers on
 placeholders that ``map_units`` identified as flat shards.
-Postcondition: no marker is left; each unit that was read has exactly one ``gather_unit`` call per
+Postcondition: no marker is left; each unit that was read has exactly one ``cast_all_gather_differentiable`` call per
 (sub)graph that reads it, placed just before the unit's first read there (a unit read inside a
 checkpointed region is gathered inside the region, so its recomputation re-gathers it once), whose
 output is narrowed and viewed into the parameters. Its autograd (see ``fsdp_compile._ops``) makes
@@ -14,7 +14,7 @@ Example (a unit with two parameters)::
     w = fsdp_compile.unshard(flat_1, None, 0, 64, [8, 8], torch.float32)
     b = fsdp_compile.unshard(flat_1, None, 64, 8, [8], torch.float32)
   becomes
-    full = gather_unit(flat_1, None, torch.float32, torch.float32, False, 2, "0")
+    full = cast_all_gather_differentiable(flat_1, None, torch.float32, torch.float32, "reduce_scatter", 2, "0")
     w = torch.narrow(full, 0, 0, 64).view([8, 8])
     b = torch.narrow(full, 0, 64, 8).view([8])
 """
@@ -29,8 +29,8 @@ import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
-from fsdp_compile._ops import KEEP_GATHERED, gather_unit, unshard
-from fsdp_compile.passes.map_units import UnitInputs, iter_graphs
+from fsdp_compile._ops import KEEP_GATHERED, GradReduction, cast_all_gather_differentiable, unshard
+from fsdp_compile.passes.map_units import UnitInputsPlan, iter_graphs
 
 __all__ = ["CollectivesPlan", "UnitGather", "apply_collectives", "is_marker", "plan_collectives"]
 
@@ -61,8 +61,7 @@ class UnitGather:
     """Placeholder of the unit's unsharded gradient accumulator (gradient sync off), or None."""
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
-    exchange: bool
-    """Gradients travel in param_dtype (all-to-all) and are averaged in reduce_dtype."""
+    grad_reduction: GradReduction
     reshard_after_forward: bool
     world_size: int
     group_name: str
@@ -83,7 +82,7 @@ class CollectivesPlan:
                     "accum": g.accum,
                     "param_dtype": str(g.param_dtype),
                     "reduce_dtype": str(g.reduce_dtype),
-                    "exchange": g.exchange,
+                    "grad_reduction": g.grad_reduction,
                     "reshard_after_forward": g.reshard_after_forward,
                     "world_size": g.world_size,
                     "group_name": g.group_name,
@@ -98,7 +97,7 @@ def is_marker(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (_MARKER_OP, _MARKER_OP.default, unshard)
 
 
-def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputs) -> CollectivesPlan:
+def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputsPlan) -> CollectivesPlan:
     """One gather per unit and (sub)graph that reads it, in graph order."""
     views: dict[tuple[str, str], list[ParamView]] = {}
     accums: dict[tuple[str, str], str | None] = {}
@@ -136,7 +135,7 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputs) -> Collectives
                 accum=accums[(path, shard_name)],
                 param_dtype=state.param_dtype,
                 reduce_dtype=state.reduce_dtype,
-                exchange=state.exchange,
+                grad_reduction=state.grad_reduction,
                 reshard_after_forward=state.reshard_after_forward,
                 world_size=state.world_size,
                 group_name=state.group_name,
@@ -169,13 +168,13 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
             full = _add(
                 graph,
                 "call_function",
-                gather_unit,
+                cast_all_gather_differentiable,
                 (
                     nodes[gather.shard],
                     nodes[gather.accum] if gather.accum else None,
                     gather.param_dtype,
                     gather.reduce_dtype,
-                    gather.exchange,
+                    gather.grad_reduction,
                     gather.world_size,
                     gather.group_name,
                 ),

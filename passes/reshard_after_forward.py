@@ -19,21 +19,17 @@ Example (joint graph)::
 
 from __future__ import annotations
 
-import hashlib
 import json
 from dataclasses import dataclass
 
-import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 from torch.utils.checkpoint import CheckpointPolicy
 
+from fsdp_compile._graph import ALL_GATHER, CASTS, WAIT, GraphPass, producers
+from fsdp_compile._internals import is_view_op
 from fsdp_compile._ops import KEEP_GATHERED
 
 __all__ = ["ReshardAfterForward", "ReshardPlan", "apply_reshard", "plan_reshard"]
-
-_c10d = torch.ops._c10d_functional
-_CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 
 
 @dataclass(frozen=True)
@@ -46,44 +42,42 @@ class ReshardPlan:
         return json.dumps([list(chain) for chain in self.recompute])
 
 
-def _is_view(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.OpOverload) and node.target.is_view
-
-
 def plan_reshard(graph: fx.Graph) -> ReshardPlan:
     chains = []
     for node in graph.nodes:
-        if node.target != _c10d.all_gather_into_tensor.default or node.meta.get("custom", {}).get(KEEP_GATHERED):
+        if node.target != ALL_GATHER or node.meta.get("custom", {}).get(KEEP_GATHERED):
             continue
-        chain = [node]
-        source = node.args[0]
-        while isinstance(source, fx.Node) and (source.target in _CASTS or _is_view(source)):
-            chain.insert(0, source)
-            source = source.args[0]
+        chain, _ = producers(node, lambda n: n.target in CASTS or is_view_op(n.target))
+        chain.append(node)
         frontier = list(node.users)
         while frontier:
             user = frontier.pop(0)
-            if user.target == _c10d.wait_tensor.default or _is_view(user):
+            if user.target == WAIT or is_view_op(user.target):
                 chain.append(user)
                 frontier.extend(user.users)
         chains.append(tuple(n.name for n in chain))
     return ReshardPlan(recompute=tuple(chains))
 
 
-def apply_reshard(graph: fx.Graph, plan: ReshardPlan) -> None:
+def apply_reshard(gm: fx.GraphModule, plan: ReshardPlan) -> None:
     names = {name for chain in plan.recompute for name in chain}
-    for node in graph.nodes:
+    for node in gm.graph.nodes:
         if node.name in names:
             node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    graph.lint()
+    gm.graph.lint()
+    gm.recompile()
 
 
-class ReshardAfterForward(CustomGraphPass):
-    """The pass as an Inductor ``joint_custom_pre_pass`` (stable uuid: the FX graph cache stays on)."""
+class ReshardAfterForward(GraphPass):
+    """The pass as an Inductor ``joint_custom_pre_pass`` (and before the partitioner under aot_eager)."""
 
-    def __call__(self, graph: fx.Graph) -> None:
-        apply_reshard(graph, plan_reshard(graph))
+    name = "reshard_after_forward"
 
-    def uuid(self) -> bytes:
-        with open(__file__, "rb") as f:
-            return hashlib.sha256(f.read()).digest()
+    def plan(self, graph: fx.Graph) -> ReshardPlan:
+        return plan_reshard(graph)
+
+    def apply(self, gm: fx.GraphModule, plan: ReshardPlan) -> None:
+        apply_reshard(gm, plan)
+
+    def summary(self, plan: ReshardPlan) -> str:
+        return f"{len(plan.recompute)} all-gathers recomputed in backward"

@@ -31,19 +31,17 @@ all-gathers on other devices.
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import json
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
-from types import ModuleType
 from typing import Any
 
 import torch
 import torch.fx as fx
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
-from fsdp_compile.debug import artifact
+from fsdp_compile import _internals
+from fsdp_compile._graph import ALL_GATHER, GraphPass
 
 __all__ = [
     "LowerToSymmMem",
@@ -52,48 +50,37 @@ __all__ = [
     "apply_symm_mem",
     "plan_symm_mem",
     "reserve_workspace",
+    "workspace_nbytes",
 ]
 
 log = logging.getLogger(__name__)
 
-_ALL_GATHER = torch.ops._c10d_functional.all_gather_into_tensor.default
-
-
-@functools.cache
-def _symmetric_memory() -> ModuleType:
-    """torch's symmetric-memory module, checked (once) for what the copy-engine all-gather uses."""
-    try:
-        from torch.distributed import _symmetric_memory as symm_mem
-    except ImportError as e:
-        raise RuntimeError(
-            "all_gather='copy_engine' needs torch.distributed._symmetric_memory (a CUDA build of torch); "
-            "use all_gather='nccl'"
-        ) from e
-    missing = [n for n in ("get_symm_mem_workspace", "_get_backend_stream", "Work") if not hasattr(symm_mem, n)]
-    if missing or not hasattr(torch._C._distributed_c10d, "_register_work"):
-        raise RuntimeError(
-            f"all_gather='copy_engine': this torch ({torch.__version__}) lacks symmetric-memory functions it "
-            f"needs ({', '.join(missing) or '_register_work'}); use all_gather='nccl'"
-        )
-    return symm_mem
-
-
 _workspace_bytes: dict[str, int] = {}
 """Per process group: the size of the symmetric workspace this module has asked for."""
+
+
+def workspace_nbytes(shards: Iterable[tuple[int, torch.dtype]]) -> int:
+    """The workspace the copy-engine all-gathers of these shards (numel, dtype on the wire) need: the
+    largest shard, in bytes (each all-gather stages this rank's shard in its slice of the workspace)."""
+    return max((numel * dtype.itemsize for numel, dtype in shards), default=0)
 
 
 def reserve_workspace(group_name: str, nbytes: int) -> Any:
     """Make the group's symmetric workspace at least ``nbytes`` (a collective) and return it (a
     ``_SymmetricMemory``). The backend calls this when it compiles, before the graphs first run: allocated
     inside a graph's first run, under CUDA graphs, the workspace's small device-side tables would land in
-    the CUDA graphs' memory pool, which must hold only tensors the graphs own (Inductor checks this)."""
-    symm_mem = _symmetric_memory()
-    if not symm_mem.is_symm_mem_enabled_for_group(group_name):
-        symm_mem.enable_symm_mem_for_group(group_name)
+    the CUDA graphs' memory pool, which must hold only tensors the graphs own (Inductor checks this).
+    Lifetime: [Note: symmetric workspace lifetime] in docs/architecture.md."""
     if nbytes > _workspace_bytes.get(group_name, 0):
+        if group_name in _workspace_bytes:
+            log.warning(
+                "lower_to_symm_mem: the symmetric workspace of group %s grows from %d to %d bytes: waiting for "
+                "the GPU first (torch.cuda.synchronize)", group_name, _workspace_bytes[group_name], nbytes
+            )
+            _internals.counters["fsdp_compile"]["symm_mem_workspace_regrowths"] += 1
         torch.cuda.synchronize()  # growing frees the old workspace: nothing may still read it
         _workspace_bytes[group_name] = nbytes
-    return symm_mem.get_symm_mem_workspace(group_name, _workspace_bytes[group_name])
+    return _internals.symm_mem_workspace(group_name, _workspace_bytes[group_name])
 
 
 @torch.library.custom_op("fsdp_compile::all_gather_copy_engine", mutates_args=(), device_types="cuda")
@@ -103,12 +90,11 @@ def all_gather_copy_engine(
     """``all_gather_into_tensor(shard, group_size, group_name)`` by copy engines, through a symmetric
     workspace of at least ``workspace_bytes``; wait for the result with ``_c10d_functional.wait_tensor``
     (steps: the module docstring)."""
-    workspace = reserve_workspace(group_name, max(workspace_bytes, shard.numel() * shard.element_size()))
-    symm_mem = _symmetric_memory()
+    workspace = reserve_workspace(group_name, max(workspace_bytes, shard.nbytes))
     output = shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
     parts = output.chunk(group_size)
     parts[workspace.rank].copy_(shard)
-    side = symm_mem._get_backend_stream()
+    side = _internals.symm_mem_backend_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         workspace.get_buffer(workspace.rank, shard.shape, shard.dtype).copy_(parts[workspace.rank])
@@ -117,7 +103,7 @@ def all_gather_copy_engine(
             if rank != workspace.rank:
                 part.copy_(workspace.get_buffer(rank, shard.shape, shard.dtype))
         workspace.barrier()
-        torch._C._distributed_c10d._register_work(output, symm_mem.Work())  # its event: recorded on `side`
+        _internals.register_work(output)  # its event: recorded on `side`
     return output
 
 
@@ -138,7 +124,7 @@ class SymmMemPlan:
 
 
 def plan_symm_mem(graph: fx.Graph) -> SymmMemPlan:
-    gathers = [n for n in graph.nodes if n.target == _ALL_GATHER]
+    gathers = [n for n in graph.nodes if n.target == ALL_GATHER]
     shards = [ag.args[0].meta["val"] for ag in gathers]
     elsewhere = sorted({str(s.device) for s in shards if s.device.type != "cuda"})
     if elsewhere:
@@ -148,31 +134,30 @@ def plan_symm_mem(graph: fx.Graph) -> SymmMemPlan:
         )
     return SymmMemPlan(
         gathers=tuple(ag.name for ag in gathers),
-        workspace_bytes=max((s.numel() * s.element_size() for s in shards), default=0),
+        workspace_bytes=workspace_nbytes((s.numel(), s.dtype) for s in shards),
     )
 
 
-def apply_symm_mem(gm: fx.GraphModule | fx.Graph, plan: SymmMemPlan) -> None:
-    graph = gm.graph if isinstance(gm, fx.GraphModule) else gm
+def apply_symm_mem(gm: fx.GraphModule, plan: SymmMemPlan) -> None:
     lowered = set(plan.gathers)
-    for node in graph.nodes:
+    for node in gm.graph.nodes:
         if node.name in lowered:
             node.target = torch.ops.fsdp_compile.all_gather_copy_engine.default
             node.args = (*node.args, plan.workspace_bytes)
-    graph.lint()
-    if isinstance(gm, fx.GraphModule):
-        gm.recompile()
+    gm.graph.lint()
+    gm.recompile()
 
 
-class LowerToSymmMem(CustomGraphPass):
+class LowerToSymmMem(GraphPass):
     """The lowering as part of Inductor's ``post_grad_custom_post_pass`` (after ``schedule_overlap``)."""
 
-    def __call__(self, graph: fx.Graph) -> None:
-        plan = plan_symm_mem(graph)
-        apply_symm_mem(graph, plan)
-        artifact("symm_mem_plan", plan.to_json)
-        log.info("lower_to_symm_mem: %d all-gathers on copy engines", len(plan.gathers))
+    name = "lower_to_symm_mem"
 
-    def uuid(self) -> bytes:
-        with open(__file__, "rb") as f:
-            return hashlib.sha256(f.read()).digest()
+    def plan(self, graph: fx.Graph) -> SymmMemPlan:
+        return plan_symm_mem(graph)
+
+    def apply(self, gm: fx.GraphModule, plan: SymmMemPlan) -> None:
+        apply_symm_mem(gm, plan)
+
+    def summary(self, plan: SymmMemPlan) -> str:
+        return f"{len(plan.gathers)} all-gathers on copy engines"

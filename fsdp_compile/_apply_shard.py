@@ -1,0 +1,108 @@
+"""Apply a :class:`ShardPlan` to the module: build this rank's flat shard of every unit, then replace the
+parameters by pieces of it, swap the owning modules' classes, and install the unit hooks.
+
+Every unit is built before the module is touched, so nothing is half-changed if building fails.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_compile._optimizer_guard import mark_replaced, watch_optimizers
+from fsdp_compile._plan_shard import ShardPlan, UnitPlan
+from fsdp_compile._unit import SLOTS_ATTR, Piece, UnitState, register_units, weak_hook
+
+__all__ = ["apply_shard"]
+
+log = logging.getLogger(__name__)
+
+
+def apply_shard(module: nn.Module, plan: ShardPlan, group: dist.ProcessGroup) -> list[UnitState]:
+    """Shard ``module`` in place as ``plan`` says, over ``group``; return its units."""
+    world_size = dist.get_world_size(group)
+    if plan.world_size != world_size:
+        raise ValueError(f"the plan is for {plan.world_size} ranks, the group has {world_size}")
+    rank = dist.get_rank(group)
+    built = [_build_unit(module, unit, group, rank) for unit in plan.units]
+
+    watch_optimizers()
+    sharded_modules: dict[int, nn.Module] = {}
+    for state, originals in built:
+        for piece, original in zip(state.pieces, originals):
+            mark_replaced(original, piece.slot.names[0])
+            for name in piece.slot.names:
+                owner_fqn, _, attr = name.rpartition(".")
+                owner = module.get_submodule(owner_fqn)
+                owner._parameters[attr] = piece.param
+                owner.__dict__.setdefault(SLOTS_ATTR, {})[attr] = (state, piece.slot)
+                sharded_modules[id(owner)] = owner
+        unit_module = module.get_submodule(state.layout.fqn)
+        unit_module.register_forward_pre_hook(state.eager.pre_forward)
+        unit_module.register_forward_hook(state.eager.post_forward)
+        state.flat.register_post_accumulate_grad_hook(weak_hook(state.distribute_grad))
+    for owner in sharded_modules.values():
+        owner.__class__ = _sharded_class(type(owner), tuple(sorted(getattr(owner, SLOTS_ATTR))))
+    states = [state for state, _ in built]
+    register_units(module, states)
+    log.info("fsdp_compile.shard: %d units over %d ranks: %s", len(states), world_size, states)
+    return states
+
+
+def _parameter(module: nn.Module, name: str) -> nn.Parameter:
+    owner_fqn, _, attr = name.rpartition(".")
+    return module.get_submodule(owner_fqn)._parameters[attr]  # type: ignore[return-value]
+
+
+def _build_unit(
+    module: nn.Module, unit: UnitPlan, group: dist.ProcessGroup, rank: int
+) -> tuple[UnitState, list[nn.Parameter]]:
+    """Copy this rank's chunk of the unit into a new flat shard and cut one piece per parameter; return the
+    unit and the parameters it replaces, in slot order."""
+    layout = unit.layout
+    params = [_parameter(module, slot.names[0]) for slot in layout.slots]
+    full = torch.zeros(layout.padded_numel, dtype=unit.dtype, device=params[0].device)
+    for slot, param in zip(layout.slots, params):
+        full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+    start = rank * layout.shard_numel
+    flat = full[start : start + layout.shard_numel].clone().requires_grad_(any(p.requires_grad for p in params))
+    pieces = []
+    for slot, param in zip(layout.slots, params):
+        lo, hi = layout.local_range(slot, rank)
+        pieces.append(Piece(nn.Parameter(flat.detach()[lo:hi], requires_grad=param.requires_grad), slot, lo, hi))
+    state = UnitState(
+        layout=layout,
+        flat=flat,
+        pieces=pieces,
+        group=group,
+        param_dtype=unit.param_dtype,
+        reduce_dtype=unit.reduce_dtype,
+        grad_reduction=unit.grad_reduction,
+        reshard_after_forward=unit.reshard_after_forward,
+    )
+    return state, params
+
+
+def _param_property(name: str) -> property:
+    def fget(module: nn.Module) -> torch.Tensor:
+        state, slot = getattr(module, SLOTS_ATTR)[name]
+        return state.unshard_param(slot)
+
+    return property(fget, doc=f"The full parameter {name!r}, gathered from its FSDP unit.")
+
+
+_SHARDED_CLASSES: dict[tuple[type[nn.Module], tuple[str, ...]], type[nn.Module]] = {}
+
+
+def _sharded_class(cls: type[nn.Module], names: tuple[str, ...]) -> type[nn.Module]:
+    """A cached subclass of ``cls`` whose class-level property per name shadows ``_parameters``."""
+    key = (cls, names)
+    if key not in _SHARDED_CLASSES:
+        props: dict[str, Any] = {name: _param_property(name) for name in names}
+        props["__module__"] = cls.__module__
+        _SHARDED_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), props)
+    return _SHARDED_CLASSES[key]

@@ -1,0 +1,114 @@
+"""What the passes and lowerings share: the collective ops they look for, small FX helpers, and
+:class:`GraphPass`, the frame every pass runs in (plan, apply, artifact, log line, cache key).
+
+When a pass may run: [Note: pass order] in docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, ClassVar, Protocol
+
+import torch
+import torch.fx as fx
+
+from fsdp_compile import _internals, debug
+
+__all__ = [
+    "ALL_GATHER",
+    "CASTS",
+    "GRAD_REDUCTIONS",
+    "GraphPass",
+    "WAIT",
+    "graph_module",
+    "nbytes",
+    "producers",
+    "wait_of",
+]
+
+log = logging.getLogger(__name__)
+
+_c10d = _internals.c10d_functional
+ALL_GATHER = _c10d.all_gather_into_tensor.default
+WAIT = _c10d.wait_tensor.default
+GRAD_REDUCTIONS = (_c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default)
+"""A unit's gradient reduction: a reduce-scatter, or an all-to-all (gradients exchanged in param_dtype)."""
+CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
+"""The dtype casts AOTAutograd and Inductor's decompositions produce (``tensor.to(dtype)``)."""
+
+
+def producers(node: fx.Node, follow: Callable[[fx.Node], bool]) -> tuple[list[fx.Node], object]:
+    """Walk ``node``'s first argument back through the producers ``follow`` accepts: those producers,
+    earliest first, and the first argument it stopped at (a node ``follow`` refused, or a constant)."""
+    chain: list[fx.Node] = []
+    source = node.args[0]
+    while isinstance(source, fx.Node) and follow(source):
+        chain.insert(0, source)
+        source = source.args[0]
+    return chain, source
+
+
+def wait_of(node: fx.Node) -> fx.Node | None:
+    """The ``wait_tensor`` of a collective, if it has exactly one."""
+    waits = [u for u in node.users if u.target == WAIT]
+    return waits[0] if len(waits) == 1 else None
+
+
+def nbytes(node: fx.Node) -> int:
+    """Bytes of a node's tensor value (0 if it has none)."""
+    val = node.meta.get("val")
+    return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def graph_module(graph: fx.Graph) -> fx.GraphModule:
+    """The GraphModule owning ``graph`` (Inductor hands custom passes the graph alone)."""
+    gm = graph.owning_module
+    if not isinstance(gm, fx.GraphModule):
+        raise TypeError("fsdp_compile's passes run on graphs owned by a GraphModule")
+    return gm
+
+
+class _Plan(Protocol):
+    def to_json(self) -> str: ...
+
+
+class GraphPass(_internals.CustomGraphPass):  # type: ignore[misc, valid-type]
+    """One pass as Inductor runs custom passes: ``plan`` (pure), then ``apply`` (mutates), inside Inductor's
+    ``GraphTransformObserver`` (so a graph dump shows it before and after); the plan as the structured
+    artifact ``fsdp_compile_<name>_plan``; one log line. ``uuid()`` hashes the pass's module, this one and
+    ``options()``, so the FX graph cache keeps working and never reuses a graph another version built."""
+
+    name: ClassVar[str]
+
+    def plan(self, graph: fx.Graph) -> Any:
+        raise NotImplementedError
+
+    def apply(self, gm: fx.GraphModule, plan: Any) -> None:
+        raise NotImplementedError
+
+    def summary(self, plan: Any) -> str:
+        """The log line's text."""
+        raise NotImplementedError
+
+    def options(self) -> str:
+        return ""
+
+    def __call__(self, graph: fx.Graph) -> None:
+        plan = _internals.run_observed(graph_module(graph), f"fsdp_compile.{self.name}", self._plan_and_apply)
+        if plan is None:  # switched off by torch._inductor.config.disabled_passes
+            return
+        debug.artifact(f"{self.name}_plan", plan.to_json)
+        log.info("%s: %s", self.name, self.summary(plan))
+
+    def _plan_and_apply(self, graph: fx.Graph) -> _Plan:
+        plan = self.plan(graph)
+        self.apply(graph_module(graph), plan)
+        return plan
+
+    def uuid(self) -> bytes:
+        return _internals.hash_sources(self.sources(), self.options())
+
+    def sources(self) -> Sequence[str]:
+        return (inspect.getfile(type(self)), __file__)

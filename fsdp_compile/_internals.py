@@ -1,0 +1,176 @@
+"""Every use of torch internals in the library, and every shim between torch versions.
+
+The library runs on torch 2.11 (the GPU machines) and 2.13+ (CPU). Library modules reach torch's private
+modules (``torch._dynamo``, ``torch._functorch``, ``torch._inductor``, ``torch._logging``, ``torch._C``,
+``torch.distributed._symmetric_memory``, the ``torch.ops._c10d_functional`` namespace) only through this
+module; ``tests/test_layout.py`` enforces it. Features are detected, never version numbers compared: what
+the library cannot work without is looked up when this module is imported, and a missing piece raises
+:class:`MissingTorchFeature`, naming the torch version and what it lacks. Optional features (symmetric
+memory) are detected once, when first used.
+
+Shims, each where it is used:
+* Inductor takes a single ``post_grad_custom_post_pass`` on 2.11 (a list on 2.13+): :class:`PassPipeline`.
+* ``compile_fx`` tells its ``inner_compile`` which graph it compiles only through the ``is_backward``
+  keyword, for the backward graph alone (the forward call omits it): :func:`is_backward_compile`.
+* ``enable_symm_mem_for_group`` is deprecated (FutureWarning) on 2.11 and 2.13, but Inductor still gates
+  its symmetric-memory features on ``is_symm_mem_enabled_for_group``: :func:`symm_mem_workspace`.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import warnings
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from types import ModuleType
+from typing import Any, TypeVar
+
+import torch
+import torch.fx as fx
+
+__all__ = [
+    "MissingTorchFeature",
+    "PassPipeline",
+    "aot_autograd",
+    "c10d_functional",
+    "compile_fx",
+    "compile_fx_inner",
+    "counters",
+    "CustomGraphPass",
+    "hash_sources",
+    "inductor_config",
+    "is_backward_compile",
+    "is_view_op",
+    "make_boxed_func",
+    "min_cut_rematerialization_partition",
+    "register_work",
+    "run_observed",
+    "symm_mem_backend_stream",
+    "symm_mem_workspace",
+    "symmetric_memory",
+    "trace_structured",
+]
+
+
+T = TypeVar("T")
+
+
+class MissingTorchFeature(RuntimeError):
+    """This torch lacks something fsdp_compile needs."""
+
+
+def _missing(what: str, fix: str = "use torch 2.11 or newer") -> MissingTorchFeature:
+    return MissingTorchFeature(f"fsdp_compile needs {what}, which torch {torch.__version__} lacks: {fix}")
+
+
+def _need(module: str, name: str) -> Any:
+    try:
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise _missing(f"{module}.{name}") from e
+
+
+# Registers the autograd of the functional collectives: an all-gather inserted before AOT tracing then
+# yields its reduce-scatter in the backward graph.
+importlib.import_module("torch.distributed._functional_collectives")
+
+aot_autograd: Callable[..., Any] = _need("torch._dynamo.backends.common", "aot_autograd")
+counters: Any = _need("torch._dynamo.utils", "counters")
+"""``counters["fsdp_compile"][...]``: what the library did, for tests and tlparse."""
+make_boxed_func: Callable[..., Any] = _need("torch._functorch.aot_autograd", "make_boxed_func")
+min_cut_rematerialization_partition: Callable[..., Any] = _need(
+    "torch._functorch.partitioners", "min_cut_rematerialization_partition"
+)
+inductor_config: Any = _need("torch._inductor", "config")
+compile_fx: Callable[..., Any] = _need("torch._inductor.compile_fx", "compile_fx")
+compile_fx_inner: Callable[..., Any] = _need("torch._inductor.compile_fx", "compile_fx_inner")
+CustomGraphPass: type = _need("torch._inductor.custom_graph_pass", "CustomGraphPass")
+_get_hash_for_files: Callable[..., bytes] = _need("torch._inductor.custom_graph_pass", "get_hash_for_files")
+trace_structured: Callable[..., None] = _need("torch._logging", "trace_structured")
+_OpOverload: type = _need("torch._ops", "OpOverload")
+_GraphTransformObserver: type = _need("torch.fx.passes.graph_transform_observer", "GraphTransformObserver")
+
+c10d_functional: Any = torch.ops._c10d_functional
+"""The functional collectives' op namespace (``all_gather_into_tensor``, ``wait_tensor``, ...). Their
+``group_name`` argument is a ``str`` on 2.11 (``Any`` on 2.13): always pass a string."""
+
+
+def is_view_op(target: object) -> bool:
+    """Whether an FX node's target is an aten op whose result aliases its input."""
+    return isinstance(target, _OpOverload) and target.is_view
+
+
+def hash_sources(paths: Iterable[str], extra: str = "") -> bytes:
+    """A pass's ``uuid()``: the hash of the source files it depends on and of its options (torch's helper,
+    so the FX graph cache is invalidated exactly when one of them changes)."""
+    return _get_hash_for_files(tuple(paths), extra)
+
+
+def run_observed(gm: fx.GraphModule, name: str, graph_pass: Callable[[fx.Graph], T]) -> T | None:
+    """Run ``graph_pass`` on ``gm.graph`` through Inductor's ``GraphTransformObserver``, as Inductor runs its
+    own passes: ``INDUCTOR_LOG_URL_FOR_GRAPH_XFORM=DIR`` dumps the graph before and after it, and
+    ``torch._inductor.config.disabled_passes`` can name it to switch it off (then: None)."""
+    return _GraphTransformObserver(gm, name).apply_graph_pass(graph_pass)
+
+
+class PassPipeline(CustomGraphPass):  # type: ignore[misc, valid-type]
+    """Several passes as ONE Inductor custom pass, run in order: torch 2.11 takes a single
+    ``post_grad_custom_post_pass``. Its uuid joins the passes' uuids."""
+
+    def __init__(self, passes: Sequence[Any]) -> None:
+        self.passes = tuple(passes)
+
+    def __call__(self, graph: fx.Graph) -> None:
+        for graph_pass in self.passes:
+            graph_pass(graph)
+
+    def uuid(self) -> bytes:
+        return _get_hash_for_files((), "".join(p.uuid().hex() for p in self.passes))
+
+
+def is_backward_compile(kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``compile_fx`` called its ``inner_compile`` for the backward graph (``is_backward=True``; the
+    forward call passes no such keyword, on 2.11 and 2.13)."""
+    return bool(kwargs.get("is_backward", False))
+
+
+@functools.cache
+def symmetric_memory() -> ModuleType:
+    """torch's symmetric-memory module, checked (once) for what the copy-engine all-gather uses."""
+    try:
+        symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
+    except ImportError as e:
+        raise _missing("torch.distributed._symmetric_memory (a CUDA build of torch)", "use all_gather='nccl'") from e
+    needed = ("get_symm_mem_workspace", "_get_backend_stream", "Work", "is_symm_mem_enabled_for_group")
+    missing = [n for n in needed if not hasattr(symm_mem, n)]
+    if not hasattr(torch._C._distributed_c10d, "_register_work"):
+        missing.append("torch._C._distributed_c10d._register_work")
+    if missing:
+        raise _missing(f"symmetric-memory functions ({', '.join(missing)})", "use all_gather='nccl'")
+    return symm_mem
+
+
+def symm_mem_workspace(group_name: str, nbytes: int) -> Any:
+    """The group's symmetric workspace of at least ``nbytes`` (a ``_SymmetricMemory``; a collective).
+
+    ``enable_symm_mem_for_group`` is deprecated (the store is found in C++), but Inductor's symmetric-memory
+    features still check ``is_symm_mem_enabled_for_group``: enable the group where that function exists,
+    without its warning."""
+    symm_mem = symmetric_memory()
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group_name):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)
+            enable(group_name)
+    return symm_mem.get_symm_mem_workspace(group_name, nbytes)
+
+
+def symm_mem_backend_stream() -> torch.cuda.Stream:
+    """The side stream symmetric memory's own operations run on."""
+    return symmetric_memory()._get_backend_stream()
+
+
+def register_work(output: torch.Tensor) -> None:
+    """Register a symmetric-memory work object (its CUDA event recorded on the current stream) for
+    ``output``: the graph's ``wait_tensor(output)`` then makes the compute stream wait for it."""
+    torch._C._distributed_c10d._register_work(output, symmetric_memory().Work())

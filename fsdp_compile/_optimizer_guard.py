@@ -1,0 +1,47 @@
+"""A guard against an optimizer built before ``shard()``: it holds the parameters ``shard()`` replaced, so it
+would train nothing. Its first ``step()`` raises instead."""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.hooks import RemovableHandle
+
+__all__ = ["mark_replaced", "watch_optimizers"]
+
+_REPLACED_ATTR = "_fsdp_compile_replaced"
+"""On an original parameter that shard() replaced: its name."""
+
+_optimizer_hook: RemovableHandle | None = None
+_checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
+
+
+def mark_replaced(param: torch.nn.Parameter, name: str) -> None:
+    """Record that ``shard()`` replaced ``param`` (named ``name``) by a sharded piece."""
+    setattr(param, _REPLACED_ATTR, name)
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Optimizer step pre-hook: refuse to step an optimizer that holds parameters shard() replaced."""
+    if optimizer in _checked_optimizers:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = getattr(param, _REPLACED_ATTR, None)
+            if name is not None:
+                raise RuntimeError(
+                    f"{type(optimizer).__name__} holds parameter {name!r} as it was before fsdp_compile.shard() "
+                    "replaced it with a sharded piece, so this optimizer would train nothing: build the optimizer "
+                    "after shard(), from model.parameters() (or model.named_parameters())"
+                )
+    _checked_optimizers.add(optimizer)
+
+
+def watch_optimizers() -> None:
+    """Install the guard (once per process) on every optimizer's ``step()``."""
+    global _optimizer_hook
+    if _optimizer_hook is None:
+        _optimizer_hook = register_optimizer_step_pre_hook(_check_optimizer)

@@ -1,0 +1,221 @@
+"""Plan the sharding of a module: which parameters form which FSDP unit, where each lies in its unit's flat
+buffer, and the unit's collective settings. Pure: reads the module, changes nothing, and depends on the
+world size but not on the rank, so every rank plans the same. Every check of ``shard()``'s input happens
+here, so that a refused call leaves the module untouched.
+
+Example (``units=[Block]`` on a two-block model with a tied embedding, 2 ranks)::
+
+    ShardPlan(world_size=2, units=(
+        UnitPlan(layout=UnitLayout(fqn="", slots=(ParamSlot(names=("emb.weight", "out.weight"), ...), ...)), ...),
+        UnitPlan(layout=UnitLayout(fqn="layers.0", ...), ...),
+        UnitPlan(layout=UnitLayout(fqn="layers.1", ...), ...)))
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import NamedTuple, Union
+
+import torch
+from torch import nn
+
+from fsdp_compile._layout import UnitLayout, plan_layout
+from fsdp_compile._ops import GradReduction
+from fsdp_compile.config import MixedPrecision
+
+__all__ = ["ReshardSpec", "ShardPlan", "UnitPlan", "UnitSpec", "plan_shard"]
+
+UnitSpec = Union[Iterable[type[nn.Module]], Callable[[str, nn.Module], bool]]
+"""Module classes, or a predicate ``(fqn, submodule) -> bool``: the submodules that are units."""
+ReshardSpec = Union[bool, Callable[[str, nn.Module], bool]]
+"""Whether to reshard every unit after forward, or a predicate ``(unit fqn, unit module) -> bool``."""
+
+
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit: its flat-buffer layout (parameters by name) and its collective settings."""
+
+    layout: UnitLayout
+    dtype: torch.dtype
+    """The parameters' dtype: the flat shard's (the optimizer's main weights)."""
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    grad_reduction: GradReduction
+    reshard_after_forward: bool
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    units: tuple[UnitPlan, ...]
+    """The root unit first (if it has parameters), then the units in module order."""
+    world_size: int
+
+    def to_json(self) -> str:
+        return json.dumps({"world_size": self.world_size, "units": [_unit_json(u) for u in self.units]})
+
+
+def _unit_json(unit: UnitPlan) -> dict[str, object]:
+    layout = unit.layout
+    return {
+        "fqn": layout.fqn,
+        "dtype": str(unit.dtype),
+        "param_dtype": str(unit.param_dtype),
+        "reduce_dtype": str(unit.reduce_dtype),
+        "grad_reduction": unit.grad_reduction,
+        "reshard_after_forward": unit.reshard_after_forward,
+        "padded_numel": layout.padded_numel,
+        "shard_numel": layout.shard_numel,
+        "params": [{"names": s.names, "offset": s.offset, "numel": s.numel, "shape": s.shape} for s in layout.slots],
+    }
+
+
+class _Owner(NamedTuple):
+    """A module that holds a parameter, under ``name``; ``fqn`` is the parameter's full name through it."""
+
+    module: nn.Module
+    name: str
+    fqn: str
+
+
+def plan_shard(
+    module: nn.Module,
+    *,
+    units: UnitSpec,
+    world_size: int,
+    mp: MixedPrecision | None = None,
+    reshard_after_forward: ReshardSpec = True,
+) -> ShardPlan:
+    """The units of ``module`` and their layouts over ``world_size`` ranks (see ``fsdp_compile.shard``)."""
+    mp = _check_mixed_precision(mp)
+    _check_reshard_spec(reshard_after_forward)
+    unit_of = _unit_of_modules(module, units)
+    owners = _owners(module)
+    _check_parameters(module, owners)
+    by_unit: dict[str, list[nn.Parameter]] = {}
+    for param, owned in owners.items():
+        by_unit.setdefault(_unit_of_parameter(owned, unit_of), []).append(param)
+
+    def reshard(unit_fqn: str) -> bool:
+        if isinstance(reshard_after_forward, bool):
+            return reshard_after_forward
+        return bool(reshard_after_forward(unit_fqn, module.get_submodule(unit_fqn)))
+
+    planned = []
+    for unit_fqn in dict.fromkeys(unit_of.values()):  # the root first, then units in module order
+        if unit_fqn not in by_unit:
+            continue
+        params = by_unit[unit_fqn]
+        dtype = _unit_dtype(unit_fqn, params, owners)
+        param_dtype = mp.param_dtype or dtype
+        reduce_dtype = mp.reduce_dtype or param_dtype
+        exchange = mp.exchange_grads_in_param_dtype and reduce_dtype.itemsize > param_dtype.itemsize
+        layout = plan_layout(unit_fqn, [(tuple(o.fqn for o in owners[p]), tuple(p.shape)) for p in params], world_size)
+        planned.append(
+            UnitPlan(
+                layout=layout,
+                dtype=dtype,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                grad_reduction="all_to_all" if exchange else "reduce_scatter",
+                reshard_after_forward=reshard(unit_fqn),
+            )
+        )
+    return ShardPlan(units=tuple(planned), world_size=world_size)
+
+
+def _check_mixed_precision(mp: MixedPrecision | None) -> MixedPrecision:
+    if mp is None:
+        return MixedPrecision()
+    if not isinstance(mp, MixedPrecision):
+        raise TypeError(f"mp must be a fsdp_compile.MixedPrecision, got {type(mp).__name__}")
+    return mp
+
+
+def _check_reshard_spec(reshard_after_forward: object) -> None:
+    if not isinstance(reshard_after_forward, bool) and not callable(reshard_after_forward):
+        raise TypeError(
+            "reshard_after_forward must be a bool or a predicate (unit fqn, unit module) -> bool, "
+            f"got {reshard_after_forward!r}"
+        )
+
+
+def _unit_predicate(units: UnitSpec) -> Callable[[str, nn.Module], bool]:
+    if callable(units) and not isinstance(units, type):
+        return units  # type: ignore[return-value]
+    classes = tuple(units)  # type: ignore[arg-type]
+    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+        raise TypeError(
+            "units must be an iterable of nn.Module subclasses (e.g. units=[TransformerBlock]) or a "
+            f"predicate (fqn, module) -> bool, got {units!r}"
+        )
+    return lambda fqn, module: isinstance(module, classes)
+
+
+def _unit_of_modules(module: nn.Module, units: UnitSpec) -> dict[str, str]:
+    """Module fqn -> the fqn of its unit: the nearest enclosing unit root ("" = the root unit)."""
+    is_unit = _unit_predicate(units)
+    unit_of: dict[str, str] = {}
+    for fqn, sub in module.named_modules(remove_duplicate=False):
+        parent = fqn.rpartition(".")[0] if fqn else None
+        unit_of[fqn] = fqn if (fqn == "" or is_unit(fqn, sub)) else unit_of[parent]  # type: ignore[index]
+    if set(unit_of.values()) == {""} and not is_unit("", module):
+        raise ValueError(
+            f"units={units!r} matched no submodule of {type(module).__name__}: pass the classes of the blocks "
+            "to shard one by one (e.g. units=[TransformerBlock]) or a predicate (fqn, module) -> bool"
+        )
+    return unit_of
+
+
+def _owners(module: nn.Module) -> dict[nn.Parameter, list[_Owner]]:
+    """The owners of every parameter (a tied weight has several), in ``named_parameters`` order."""
+    owners: dict[nn.Parameter, list[_Owner]] = {}
+    for fqn, sub in module.named_modules(remove_duplicate=False):
+        for name, param in sub._parameters.items():
+            if param is None:
+                continue
+            known = owners.setdefault(param, [])
+            if all(o.module is not sub or o.name != name for o in known):
+                known.append(_Owner(sub, name, f"{fqn}.{name}" if fqn else name))
+    return owners
+
+
+def _check_parameters(module: nn.Module, owners: dict[nn.Parameter, list[_Owner]]) -> None:
+    if not owners:
+        raise ValueError(f"{type(module).__name__} has no parameters to shard")
+    devices: dict[torch.device, str] = {}
+    for p, owned in owners.items():
+        devices.setdefault(p.device, owned[0].fqn)
+    if len(devices) > 1:
+        found = ", ".join(f"{name!r} on {device}" for device, name in devices.items())
+        raise ValueError(f"parameters on several devices ({found}): move the whole model to one device first")
+    meta = [owned[0].fqn for p, owned in owners.items() if p.is_meta]
+    if meta:
+        raise ValueError(
+            f"parameters on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): "
+            "materialize them before shard(), e.g. module.to_empty(device=...) and initialize the weights"
+        )
+
+
+def _unit_of_parameter(owned: list[_Owner], unit_of: dict[str, str]) -> str:
+    units = {unit_of[o.fqn.rpartition(".")[0]] for o in owned}
+    if len(units) > 1:
+        names = [o.fqn for o in owned]
+        raise ValueError(
+            f"parameter {names[0]!r} is shared by modules of different units {sorted(units)} "
+            f"(names {names}); a tied parameter must belong to one unit: leave the modules that share it "
+            "out of `units` (the root unit then owns it) or make their common parent the unit"
+        )
+    return units.pop()
+
+
+def _unit_dtype(unit_fqn: str, params: list[nn.Parameter], owners: dict[nn.Parameter, list[_Owner]]) -> torch.dtype:
+    dtypes = {p.dtype: owners[p][0].fqn for p in params}
+    if len(dtypes) > 1:
+        raise ValueError(
+            f"unit {unit_fqn or '<root>'!r} mixes parameter dtypes {dtypes}; a unit's parameters share one flat "
+            "buffer of one dtype: convert the model (e.g. model.float()) before shard()"
+        )
+    (dtype,) = dtypes
+    return dtype

@@ -1,0 +1,185 @@
+"""The runtime state of one FSDP unit on this rank (:class:`UnitState`), and how to find it: from the
+sharded module (:func:`sharded_units`) or from its flat shard (:func:`unit_of_shard`)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_compile._eager import EagerUnit
+from fsdp_compile._internals import counters
+from fsdp_compile._layout import ParamSlot, UnitLayout
+from fsdp_compile._ops import GradReduction, all_gather_nograd, cast_all_gather_differentiable, reduce_scatter_avg, unshard
+
+__all__ = ["Piece", "UnitState", "is_sharded", "register_units", "sharded_units", "unit_of_shard", "weak_hook"]
+
+UNITS_ATTR = "_fsdp_compile_units"
+"""On the module shard() was called on: its units, in order."""
+SLOTS_ATTR = "_fsdp_compile_slots"
+"""On every module owning a sharded parameter: name -> (unit, slot)."""
+
+_units_by_shard: weakref.WeakValueDictionary[int, UnitState] = weakref.WeakValueDictionary()
+"""id(flat shard) -> its unit. Weak, like every reference from a tensor back to its unit: a cycle through a
+tensor's hooks is invisible to Python's garbage collector, and would keep a deleted model's shards alive."""
+
+
+class Piece(NamedTuple):
+    """One parameter's part of this rank's flat shard: the ``nn.Parameter`` the optimizer sees (a 1-D view,
+    possibly empty), its slot in the unit's layout, and where it lies in the shard (``[lo, hi)``)."""
+
+    param: nn.Parameter
+    slot: ParamSlot
+    lo: int
+    hi: int
+
+
+class UnitState:
+    """One FSDP unit on this rank: its layout, flat shard, parameter pieces and collective settings."""
+
+    def __init__(
+        self,
+        *,
+        layout: UnitLayout,
+        flat: torch.Tensor,
+        pieces: list[Piece],
+        group: dist.ProcessGroup,
+        param_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
+        grad_reduction: GradReduction,
+        reshard_after_forward: bool,
+    ) -> None:
+        self.layout = layout
+        self.flat = flat
+        self.pieces = pieces
+        self.group = group
+        self.group_name: str = group.group_name
+        self.world_size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+        self.param_dtype = param_dtype
+        self.reduce_dtype = reduce_dtype
+        self.grad_reduction: GradReduction = grad_reduction
+        self.reshard_after_forward = reshard_after_forward
+        """False: the gathered unit is kept from forward to backward instead of gathered again."""
+        self.requires_gradient_sync = True
+        self.accum: torch.Tensor | None = None
+        """Gradient sync off: a full-size leaf in reduce_dtype whose .grad accumulates the unreduced gradient."""
+        self.eager = EagerUnit(self.cast_all_gather_differentiable, reshard=self.world_size > 1 and reshard_after_forward)
+        """Eager mode (the unit's forward hooks and saved-tensor hooks)."""
+
+    def __repr__(self) -> str:
+        return f"UnitState({self.layout.fqn or '<root>'!r}, params={len(self.layout.slots)}, shard={self.layout.shard_numel})"
+
+    def cast_all_gather_differentiable(self) -> torch.Tensor:
+        """All-gather the whole unit in ``param_dtype`` in eager mode, differentiable like the compiled graphs."""
+        return cast_all_gather_differentiable(
+            self.flat, self.accum, self.param_dtype, self.reduce_dtype, self.grad_reduction, self.world_size, self.group_name
+        )
+
+    def unshard_param(self, slot: ParamSlot) -> torch.Tensor:
+        """The full parameter ``slot``: a marker op under compile, a view of the gathered unit in eager."""
+        if torch.compiler.is_compiling():
+            return unshard(self.flat, self.accum, slot.offset, slot.numel, list(slot.shape), self.param_dtype)
+        return self.eager.param(slot.offset, slot.numel, slot.shape)
+
+    @torch.no_grad()
+    def all_gather_params_nograd(self, local: torch.Tensor | None = None) -> list[torch.Tensor]:
+        """All-gather a shard-shaped tensor (default: the flat shard itself), without autograd and without a
+        cast, and return the full value of every parameter, in slot order. A collective: every rank calls it."""
+        local = (self.flat if local is None else local).detach()
+        full = local if self.world_size == 1 else all_gather_nograd(local, self.world_size, self.group_name)
+        return [full[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots]
+
+    def all_gather_pieces_nograd(
+        self, per_piece: Callable[[nn.Parameter], torch.Tensor | None], like: torch.Tensor
+    ) -> list[torch.Tensor]:
+        """``all_gather_params_nograd`` of a shard assembled from one tensor per piece (its gradient, an
+        optimizer state, ...; zeros where ``per_piece`` gives None), in ``like``'s dtype and device."""
+        local = like.new_zeros(self.layout.shard_numel)
+        for piece in self.pieces:
+            value = per_piece(piece.param)
+            if value is not None:
+                local[piece.lo : piece.hi] = value
+        return self.all_gather_params_nograd(local)
+
+    def local_part(self, slot: ParamSlot, full: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of a full parameter-shaped tensor ``full`` (a 1-D view)."""
+        lo, hi = self.layout.local_range(slot, self.rank)
+        start = self.rank * self.layout.shard_numel - slot.offset
+        return full.reshape(-1)[start + lo : start + hi]
+
+    def set_requires_gradient_sync(self, requires: bool) -> None:
+        self.requires_gradient_sync = requires
+        if not requires and self.accum is None and self.world_size > 1:
+            # A stride-0 view of one element: a leaf of full shape that costs no memory until it has a grad.
+            zero = torch.zeros((), dtype=self.reduce_dtype, device=self.flat.device)
+            self.accum = zero.expand(self.layout.padded_numel).requires_grad_()
+            self.accum.register_post_accumulate_grad_hook(weak_hook(self._reduce_accumulated))
+
+    def _reduce_accumulated(self, accum: torch.Tensor) -> None:
+        """Post-accumulate hook of ``accum``: on the micro-batch that syncs, reduce-scatter once."""
+        if not self.requires_gradient_sync or accum.grad is None:
+            return
+        reduced = reduce_scatter_avg(accum.grad, self.world_size, self.group_name)
+        accum.grad = None
+        self.accum = None
+        counters["fsdp_compile"]["accumulated_reduce_scatters"] += 1
+        self._deliver(reduced.to(self.flat.dtype))
+
+    def distribute_grad(self, flat: torch.Tensor) -> None:
+        """Post-accumulate hook of the flat shard: hand each piece its slice, then clear ``flat.grad``."""
+        grad = flat.grad
+        flat.grad = None
+        if grad is not None:
+            self._deliver(grad)
+
+    def _deliver(self, grad: torch.Tensor) -> None:
+        for piece in self.pieces:
+            if not piece.param.requires_grad:
+                continue
+            if piece.param.grad is None:
+                piece.param.grad = grad[piece.lo : piece.hi]
+            else:
+                piece.param.grad.add_(grad[piece.lo : piece.hi])
+
+
+def weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
+    """A tensor hook that calls ``method`` without keeping its object alive (see ``_units_by_shard``)."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(tensor: torch.Tensor) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(tensor)
+
+    return hook
+
+
+def register_units(module: nn.Module, states: list[UnitState]) -> None:
+    """Record ``states`` as the units of ``module`` and of their flat shards."""
+    for state in states:
+        _units_by_shard[id(state.flat)] = state
+    object.__setattr__(module, UNITS_ATTR, states)
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` or one of its submodules has been sharded."""
+    return getattr(module, UNITS_ATTR, None) is not None or any(hasattr(m, SLOTS_ATTR) for m in module.modules())
+
+
+def sharded_units(module: nn.Module) -> list[UnitState]:
+    """The units of a module that ``shard()`` has sharded (root unit first, then in module order)."""
+    states = getattr(module, UNITS_ATTR, None)
+    if states is None:
+        raise ValueError(f"{type(module).__name__} is not sharded: call fsdp_compile.shard(module, units=...) first")
+    return list(states)
+
+
+def unit_of_shard(tensor: object) -> UnitState | None:
+    """The unit whose flat shard ``tensor`` is, or None."""
+    state = _units_by_shard.get(id(tensor))
+    return state if state is not None and state.flat is tensor else None
