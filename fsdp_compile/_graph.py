@@ -6,9 +6,11 @@ When a pass may run: [Note: pass order] in docs/architecture.md.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
+import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -23,7 +25,10 @@ __all__ = [
     "GraphPass",
     "WAIT",
     "graph_module",
+    "lint_and_recompile",
+    "named",
     "nbytes",
+    "plan_json",
     "producers",
     "wait_of",
 ]
@@ -62,6 +67,24 @@ def nbytes(node: fx.Node) -> int:
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
 
 
+def named(graph: fx.Graph, names: Iterable[str]) -> list[fx.Node]:
+    """The nodes of ``graph`` with these names, in graph order."""
+    wanted = set(names)
+    return [n for n in graph.nodes if n.name in wanted]
+
+
+def lint_and_recompile(gm: fx.GraphModule) -> None:
+    """How every ``apply_*`` ends: check the graph, regenerate the module's code."""
+    gm.graph.lint()
+    gm.recompile()
+
+
+def plan_json(plan: Any, *, omit: tuple[str, ...] = ()) -> str:
+    """A frozen plan dataclass as JSON (dtypes as strings), without the fields named in ``omit``."""
+    values = dataclasses.asdict(plan)
+    return json.dumps({name: value for name, value in values.items() if name not in omit}, default=str)
+
+
 def graph_module(graph: fx.Graph) -> fx.GraphModule:
     """The GraphModule owning ``graph`` (Inductor hands custom passes the graph alone)."""
     gm = graph.owning_module
@@ -72,6 +95,9 @@ def graph_module(graph: fx.Graph) -> fx.GraphModule:
 
 class _Plan(Protocol):
     def to_json(self) -> str: ...
+
+    def summary(self) -> str:
+        """One line for the log."""
 
 
 class GraphPass(_internals.CustomGraphPass):  # type: ignore[misc, valid-type]
@@ -88,10 +114,6 @@ class GraphPass(_internals.CustomGraphPass):  # type: ignore[misc, valid-type]
     def apply(self, gm: fx.GraphModule, plan: Any) -> None:
         raise NotImplementedError
 
-    def summary(self, plan: Any) -> str:
-        """The log line's text."""
-        raise NotImplementedError
-
     def options(self) -> str:
         return ""
 
@@ -100,7 +122,7 @@ class GraphPass(_internals.CustomGraphPass):  # type: ignore[misc, valid-type]
         if plan is None:  # switched off by torch._inductor.config.disabled_passes
             return
         debug.artifact(f"{self.name}_plan", plan.to_json)
-        log.info("%s: %s", self.name, self.summary(plan))
+        log.info("%s: %s", self.name, plan.summary())
 
     def _plan_and_apply(self, graph: fx.Graph) -> _Plan:
         plan = self.plan(graph)

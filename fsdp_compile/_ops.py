@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -82,35 +83,35 @@ def _(
     return flat.new_empty(shape, dtype=dtype)
 
 
+@dataclass(frozen=True)
+class _Collectives:
+    """A unit's collective settings, as ``_GatherUnit`` keeps them for its backward."""
+
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    grad_reduction: GradReduction
+    world_size: int
+    group_name: str
+
+
 class _GatherUnit(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        shard: torch.Tensor,
-        accum: torch.Tensor | None,
-        param_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
-        grad_reduction: GradReduction,
-        world_size: int,
-        group_name: str,
-    ) -> torch.Tensor:
+    def forward(ctx: Any, shard: torch.Tensor, accum: torch.Tensor | None, how: _Collectives) -> torch.Tensor:  # type: ignore[override]
         ctx.shard_dtype = shard.dtype
-        ctx.reduce_dtype = reduce_dtype
-        ctx.grad_reduction = grad_reduction
-        ctx.world_size = world_size
-        ctx.group_name = group_name
+        ctx.how = how
         ctx.accumulate_unsharded = accum is not None
-        return all_gather_nograd(shard.to(param_dtype), world_size, group_name)
+        return all_gather_nograd(shard.to(how.param_dtype), how.world_size, how.group_name)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        how: _Collectives = ctx.how
         if ctx.accumulate_unsharded:
-            return None, grad.to(ctx.reduce_dtype), None, None, None, None, None
-        if ctx.grad_reduction == "all_to_all":
-            reduced = all_to_all_avg(grad, ctx.reduce_dtype, ctx.world_size, ctx.group_name)
+            return None, grad.to(how.reduce_dtype), None
+        if how.grad_reduction == "all_to_all":
+            reduced = all_to_all_avg(grad, how.reduce_dtype, how.world_size, how.group_name)
         else:
-            reduced = reduce_scatter_avg(grad.to(ctx.reduce_dtype), ctx.world_size, ctx.group_name)
-        return reduced.to(ctx.shard_dtype), None, None, None, None, None, None
+            reduced = reduce_scatter_avg(grad.to(how.reduce_dtype), how.world_size, how.group_name)
+        return reduced.to(ctx.shard_dtype), None, None
 
 
 def cast_all_gather_differentiable(
@@ -127,4 +128,5 @@ def cast_all_gather_differentiable(
     ``accum``, reach ``accum`` unreduced. A group of one rank needs no collective."""
     if world_size == 1:
         return shard.to(param_dtype)
-    return _GatherUnit.apply(shard, accum, param_dtype, reduce_dtype, grad_reduction, world_size, group_name)
+    how = _Collectives(param_dtype, reduce_dtype, grad_reduction, world_size, group_name)
+    return _GatherUnit.apply(shard, accum, how)

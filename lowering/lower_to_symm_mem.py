@@ -31,7 +31,6 @@ all-gathers on other devices.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile import _internals
-from fsdp_compile._graph import ALL_GATHER, GraphPass
+from fsdp_compile._graph import ALL_GATHER, GraphPass, lint_and_recompile, named, plan_json
 
 __all__ = [
     "LowerToSymmMem",
@@ -120,7 +119,10 @@ class SymmMemPlan:
     """The largest shard: the symmetric workspace each rank needs."""
 
     def to_json(self) -> str:
-        return json.dumps({"gathers": self.gathers, "workspace_bytes": self.workspace_bytes})
+        return plan_json(self)
+
+    def summary(self) -> str:
+        return f"{len(self.gathers)} all-gathers on copy engines"
 
 
 def plan_symm_mem(graph: fx.Graph) -> SymmMemPlan:
@@ -139,25 +141,15 @@ def plan_symm_mem(graph: fx.Graph) -> SymmMemPlan:
 
 
 def apply_symm_mem(gm: fx.GraphModule, plan: SymmMemPlan) -> None:
-    lowered = set(plan.gathers)
-    for node in gm.graph.nodes:
-        if node.name in lowered:
-            node.target = torch.ops.fsdp_compile.all_gather_copy_engine.default
-            node.args = (*node.args, plan.workspace_bytes)
-    gm.graph.lint()
-    gm.recompile()
+    for node in named(gm.graph, plan.gathers):
+        node.target = torch.ops.fsdp_compile.all_gather_copy_engine.default
+        node.args = (*node.args, plan.workspace_bytes)
+    lint_and_recompile(gm)
 
 
 class LowerToSymmMem(GraphPass):
     """The lowering as part of Inductor's ``post_grad_custom_post_pass`` (after ``schedule_overlap``)."""
 
     name = "lower_to_symm_mem"
-
-    def plan(self, graph: fx.Graph) -> SymmMemPlan:
-        return plan_symm_mem(graph)
-
-    def apply(self, gm: fx.GraphModule, plan: SymmMemPlan) -> None:
-        apply_symm_mem(gm, plan)
-
-    def summary(self, plan: SymmMemPlan) -> str:
-        return f"{len(plan.gathers)} all-gathers on copy engines"
+    plan = staticmethod(plan_symm_mem)
+    apply = staticmethod(apply_symm_mem)

@@ -21,15 +21,18 @@ Example (a unit with two parameters)::
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
+from fsdp_compile._graph import lint_and_recompile, plan_json
+from fsdp_compile._layout import ParamSlot
 from fsdp_compile._ops import KEEP_GATHERED, GradReduction, cast_all_gather_differentiable, unshard
+from fsdp_compile._unit import UnitState
 from fsdp_compile.passes.map_units import UnitInputsPlan, iter_graphs
 
 __all__ = ["CollectivesPlan", "UnitGather", "apply_collectives", "is_marker", "plan_collectives"]
@@ -39,14 +42,11 @@ log = logging.getLogger(__name__)
 _MARKER_OP = torch.ops.fsdp_compile.unshard
 
 
-@dataclass(frozen=True)
-class ParamView:
-    """One marker to replace: node name and the parameter's place in the gathered buffer."""
+class ParamView(NamedTuple):
+    """One marker to replace (node name) and the parameter it reads (its place in the gathered buffer)."""
 
     marker: str
-    offset: int
-    numel: int
-    shape: tuple[int, ...]
+    slot: ParamSlot
 
 
 @dataclass(frozen=True)
@@ -73,24 +73,14 @@ class CollectivesPlan:
     gathers: tuple[UnitGather, ...]
 
     def to_json(self) -> str:
-        return json.dumps(
-            [
-                {
-                    "unit": g.unit,
-                    "graph": g.graph,
-                    "shard": g.shard,
-                    "accum": g.accum,
-                    "param_dtype": str(g.param_dtype),
-                    "reduce_dtype": str(g.reduce_dtype),
-                    "grad_reduction": g.grad_reduction,
-                    "reshard_after_forward": g.reshard_after_forward,
-                    "world_size": g.world_size,
-                    "group_name": g.group_name,
-                    "params": [v.marker for v in g.views],
-                }
-                for g in self.gathers
-            ]
-        )
+        return plan_json(self)
+
+
+def _slot(state: UnitState, offset: int, numel: int, shape: tuple[int, ...]) -> ParamSlot:
+    for slot in state.layout.slots:
+        if (slot.offset, slot.numel, slot.shape) == (offset, numel, shape):
+            return slot
+    raise AssertionError(f"unit {state.layout.fqn!r} has no parameter at offset {offset} of shape {shape}")
 
 
 def is_marker(node: fx.Node) -> bool:
@@ -122,7 +112,7 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputsPlan) -> Collect
             accum = kwargs["accum"].name if isinstance(kwargs["accum"], fx.Node) else None
             if accums.setdefault(key, accum) != accum:
                 raise AssertionError(f"{node.name}: unit {state.layout.fqn!r} read with two gradient accumulators")
-            view = ParamView(marker=node.name, offset=kwargs["offset"], numel=kwargs["numel"], shape=tuple(kwargs["shape"]))
+            view = ParamView(node.name, _slot(state, kwargs["offset"], kwargs["numel"], tuple(kwargs["shape"])))
             views.setdefault(key, []).append(view)
     gathers = []
     for (path, shard_name), unit_views in views.items():
@@ -184,8 +174,8 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
                 full.meta["custom"] = {**full.meta.get("custom", {}), KEEP_GATHERED: True}
         for view, marker in zip(gather.views, markers):
             with graph.inserting_before(marker):
-                narrowed = _add(graph, "call_function", torch.narrow, (full, 0, view.offset, view.numel))
-                param = _add(graph, "call_method", "view", (narrowed, list(view.shape)))
+                narrowed = _add(graph, "call_function", torch.narrow, (full, 0, view.slot.offset, view.slot.numel))
+                param = _add(graph, "call_method", "view", (narrowed, list(view.slot.shape)))
             param.meta["fsdp_compile.unit"] = gather.unit
             marker.replace_all_uses_with(param)
             graph.erase_node(marker)
@@ -193,6 +183,5 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
     if leftover:
         raise AssertionError(f"insert_collectives left markers behind: {leftover}")
     for graph_module in touched.values():
-        graph_module.graph.lint()
-        graph_module.recompile()
+        lint_and_recompile(graph_module)
     log.debug("insert_collectives: %d all-gathers", len(plan.gathers))

@@ -19,13 +19,12 @@ Example (joint graph)::
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_compile._graph import ALL_GATHER, CASTS, WAIT, GraphPass, producers
+from fsdp_compile._graph import ALL_GATHER, CASTS, WAIT, GraphPass, lint_and_recompile, named, plan_json, producers
 from fsdp_compile._internals import is_view_op
 from fsdp_compile._ops import KEEP_GATHERED
 
@@ -39,7 +38,10 @@ class ReshardPlan:
     recompute: tuple[tuple[str, ...], ...]
 
     def to_json(self) -> str:
-        return json.dumps([list(chain) for chain in self.recompute])
+        return plan_json(self)
+
+    def summary(self) -> str:
+        return f"{len(self.recompute)} all-gathers recomputed in backward"
 
 
 def plan_reshard(graph: fx.Graph) -> ReshardPlan:
@@ -60,24 +62,14 @@ def plan_reshard(graph: fx.Graph) -> ReshardPlan:
 
 
 def apply_reshard(gm: fx.GraphModule, plan: ReshardPlan) -> None:
-    names = {name for chain in plan.recompute for name in chain}
-    for node in gm.graph.nodes:
-        if node.name in names:
-            node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
-    gm.graph.lint()
-    gm.recompile()
+    for node in named(gm.graph, (name for chain in plan.recompute for name in chain)):
+        node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
+    lint_and_recompile(gm)
 
 
 class ReshardAfterForward(GraphPass):
     """The pass as an Inductor ``joint_custom_pre_pass`` (and before the partitioner under aot_eager)."""
 
     name = "reshard_after_forward"
-
-    def plan(self, graph: fx.Graph) -> ReshardPlan:
-        return plan_reshard(graph)
-
-    def apply(self, gm: fx.GraphModule, plan: ReshardPlan) -> None:
-        apply_reshard(gm, plan)
-
-    def summary(self, plan: ReshardPlan) -> str:
-        return f"{len(plan.recompute)} all-gathers recomputed in backward"
+    plan = staticmethod(plan_reshard)
+    apply = staticmethod(apply_reshard)

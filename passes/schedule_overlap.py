@@ -28,13 +28,22 @@ Example (forward, prefetch 1)::
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass
 
 import torch.fx as fx
 
-from fsdp_compile._graph import ALL_GATHER, CASTS, GRAD_REDUCTIONS, GraphPass, nbytes, producers, wait_of
+from fsdp_compile._graph import (
+    ALL_GATHER,
+    CASTS,
+    GRAD_REDUCTIONS,
+    GraphPass,
+    lint_and_recompile,
+    nbytes,
+    plan_json,
+    producers,
+    wait_of,
+)
 
 __all__ = ["OverlapPlan", "ScheduleOverlap", "apply_overlap", "plan_overlap"]
 
@@ -56,15 +65,10 @@ class OverlapPlan:
     inputs kept in flight."""
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "gathers": self.gathers,
-                "grad_reductions": self.grad_reductions,
-                "prefetch": self.prefetch,
-                "max_inflight_grad_reductions": self.max_inflight_grad_reductions,
-                "extra_bytes": self.extra_bytes,
-            }
-        )
+        return plan_json(self, omit=("order",))
+
+    def summary(self) -> str:
+        return f"{len(self.gathers)} all-gathers, {len(self.grad_reductions)} gradient reductions"
 
 
 def _input_chain(ag: fx.Node) -> list[fx.Node] | None:
@@ -161,14 +165,14 @@ def apply_overlap(gm: fx.GraphModule, plan: OverlapPlan) -> None:
         if previous is not None and previous.next is not node:
             previous.append(node)
         previous = node
-    gm.graph.lint()
-    gm.recompile()
+    lint_and_recompile(gm)
 
 
 class ScheduleOverlap(GraphPass):
     """The pass as part of Inductor's ``post_grad_custom_post_pass`` (runs on the forward and backward graphs)."""
 
     name = "schedule_overlap"
+    apply = staticmethod(apply_overlap)
 
     def __init__(self, *, prefetch: int, max_inflight_grad_reductions: int) -> None:
         self.prefetch = prefetch
@@ -176,12 +180,6 @@ class ScheduleOverlap(GraphPass):
 
     def plan(self, graph: fx.Graph) -> OverlapPlan:
         return plan_overlap(graph, prefetch=self.prefetch, max_inflight_grad_reductions=self.max_inflight_grad_reductions)
-
-    def apply(self, gm: fx.GraphModule, plan: OverlapPlan) -> None:
-        apply_overlap(gm, plan)
-
-    def summary(self, plan: OverlapPlan) -> str:
-        return f"{len(plan.gathers)} all-gathers, {len(plan.grad_reductions)} gradient reductions"
 
     def options(self) -> str:
         return f"{self.prefetch},{self.max_inflight_grad_reductions}"

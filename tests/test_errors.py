@@ -149,3 +149,29 @@ def test_bad_cudagraphs_option(options: dict, error: type[Exception], message: s
 def test_not_sharded() -> None:
     with pytest.raises(ValueError, match="is not sharded: call fsdp_compile.shard"):
         fsdp_compile.full_state_dict(Llama(LLAMA_TINY))
+
+
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        ({"prefetch": True}, TypeError, r"prefetch must be an int >= 0 \(units issued ahead\), got True \(bool\)"),
+        ({"max_inflight_grad_reductions": False}, TypeError, r"max_inflight_grad_reductions must be an int >= 1 .*got False \(bool\)"),
+        ({"prefetch": 1.0}, TypeError, r"prefetch must be an int >= 0 .*got 1.0 \(float\)"),
+        ({"prefetch": -1}, ValueError, r"prefetch must be an int >= 0 \(units issued ahead\), got -1"),
+        ({"overlap": 1}, TypeError, "overlap must be a bool, got 1"),
+    ],
+    ids=["prefetch-bool", "reductions-bool", "prefetch-float", "prefetch-negative", "overlap-int"],
+)
+def test_backend_options_of_the_wrong_type(options: dict, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=message):
+        fsdp_compile.backend(**options)
+
+
+def test_the_old_name_of_max_inflight_grad_reductions_still_works() -> None:
+    with pytest.warns(FutureWarning, match="max_inflight_reduce_scatters is deprecated .* use max_inflight_grad_reductions"):
+        config = fsdp_compile.BackendConfig(max_inflight_reduce_scatters=3)
+    assert config.max_inflight_grad_reductions == 3
+    with pytest.warns(FutureWarning, match="max_inflight_reduce_scatters is deprecated"):
+        fsdp_compile.backend(max_inflight_reduce_scatters=1)
+    with pytest.raises(TypeError, match="not both"):
+        fsdp_compile.BackendConfig(max_inflight_grad_reductions=4, max_inflight_reduce_scatters=3)

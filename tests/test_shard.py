@@ -127,3 +127,33 @@ def test_a_deleted_model_frees_its_shards() -> None:
         assert not any(ref() is not None for ref in shards), "a unit's shard outlived its model"
     finally:
         dist.destroy_process_group()
+
+
+def test_plan_shard_is_pure_frozen_and_what_shard_applies() -> None:
+    """plan_shard reads the module and changes nothing; its plan (rank-independent) is what shard() builds."""
+    import dataclasses
+    import json
+
+    from fsdp_compile._plan_shard import plan_shard
+
+    torch.manual_seed(0)
+    model = Llama(LLAMA_TINY)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plan = plan_shard(model, units=[Block], world_size=3, mp=mp, reshard_after_forward=lambda fqn, m: fqn != "")
+    assert type(model) is Llama and not hasattr(model, "_fsdp_compile_units")
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.world_size = 2  # type: ignore[misc]
+    units = json.loads(plan.to_json())["units"]
+    assert [u["fqn"] for u in units] == ["", "layers.0", "layers.1", "layers.2", "layers.3"]
+    assert units[0]["params"][0]["names"] == ["tok_embeddings.weight", "output.weight"]
+    assert [u["reshard_after_forward"] for u in units] == [False] + [True] * 4
+    assert {u["grad_reduction"] for u in units} == {"all_to_all"} and {u["param_dtype"] for u in units} == {"torch.bfloat16"}
+
+    _fake_rank(1, 3)
+    try:
+        fsdp_compile.shard(model, units=[Block], mp=mp, reshard_after_forward=lambda fqn, m: fqn != "")
+        assert [u.layout for u in fsdp_compile.sharded_units(model)] == [u.layout for u in plan.units]
+    finally:
+        dist.destroy_process_group()

@@ -31,7 +31,7 @@ LLAMA_TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=4
 LLAMA_0_95B = LlamaConfig(
     vocab_size=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, max_seq_len=2048, tie_embeddings=False
 )
-"""DESIGN.md's 0.95B configuration: 16 blocks of 51.4M parameters, untied 65.5M embedding and output."""
+"""The benchmark's 0.95B configuration: 16 blocks of 51.4M parameters, untied 65.5M embedding and output."""
 
 
 class RMSNorm(nn.Module):

@@ -1,0 +1,193 @@
+"""The repository's structure holds: the design card's layout (top-level passes/ and lowering/, installed as
+fsdp_compile.passes and fsdp_compile.lowering only), no import cycle between library modules, torch
+internals used in one module only, and small modules."""
+
+from __future__ import annotations
+
+import ast
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"fsdp_compile": ROOT / "fsdp_compile", "fsdp_compile.passes": ROOT / "passes", "fsdp_compile.lowering": ROOT / "lowering"}
+"""Where each library package's files are (pyproject.toml's package-dir)."""
+INTERNALS = "fsdp_compile._internals"
+MAX_LINES = 300
+
+
+def _library() -> dict[str, Path]:
+    """Module name -> file, for every library module (the test helpers under fsdp_compile/testing too)."""
+    modules = {}
+    for package, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            parts = path.relative_to(folder).with_suffix("").parts
+            name = ".".join((package, *parts))
+            modules[name.removesuffix(".__init__")] = path
+    return modules
+
+
+LIBRARY = _library()
+
+
+def _imports(name: str, path: Path) -> Iterator[tuple[str, ast.AST]]:
+    """Every module ``name`` imports (absolute names; relative imports resolved), with the node. A package
+    whose submodule is imported is not counted (it is imported first, but that is no edge of the graph)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+            for alias in node.names:  # a submodule, or a name defined in the module `base`
+                yield (f"{base}.{alias.name}" if f"{base}.{alias.name}" in LIBRARY else base), node
+
+
+def _library_edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {name: set() for name in LIBRARY}
+    for name, path in LIBRARY.items():
+        for imported, _ in _imports(name, path):
+            if imported in LIBRARY and imported != name:
+                edges[name].add(imported)
+    return edges
+
+
+def _cycle(edges: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle, if there is any (depth-first search)."""
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(edges[node]):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(edges):
+        if start not in state and (found := visit(start)):
+            return found
+    return None
+
+
+def test_cycle_finder_finds_a_cycle() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_library_modules_import_each_other_without_a_cycle() -> None:
+    edges = _library_edges()
+    assert edges["fsdp_compile._backend"] >= {"fsdp_compile.passes.schedule_overlap"}, "the import scan sees nothing"
+    cycle = _cycle(edges)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def _private(parts: list[str]) -> bool:
+    return any(p.startswith("_") and not p.startswith("__") for p in parts)
+
+
+def _torch_internals_used(name: str, path: Path) -> list[str]:
+    """Private torch modules ``name`` imports, and private attributes of torch it reads
+    (``torch._C``, ``torch.ops._c10d_functional``, ``torch.distributed._symmetric_memory``; an op name
+    such as ``torch.ops.aten._to_copy`` is not one)."""
+    used = [imported for imported, _ in _imports(name, path) if imported.split(".")[0] == "torch" and _private(imported.split("."))]
+    aliases = {"torch": ["torch"]}
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name.split(".") for a in node.names if a.asname and a.name.startswith("torch.")})
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
+            aliases.update({a.asname or a.name: [*node.module.split("."), a.name] for a in node.names})
+    for node in ast.walk(ast.parse(path.read_text())):
+        chain: list[str] = []
+        while isinstance(node, ast.Attribute):
+            chain.insert(0, node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in aliases and chain:
+            parts = aliases[node.id] + chain
+            checked = parts[1:3] if parts[1:2] == ["ops"] else parts[1:]
+            if _private(checked):
+                used.append(".".join(parts))
+    return used
+
+
+def test_the_internals_scan_sees_private_uses(tmp_path: Path) -> None:
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import torch\nimport torch.distributed as dist\nfrom torch._dynamo.utils import counters\n"
+        "x = torch.ops._c10d_functional.wait_tensor\ny = dist._functional_collectives\nz = torch.ops.aten._to_copy\n"
+    )
+    found = _torch_internals_used("fsdp_compile.sample", sample)
+    assert "torch._dynamo.utils" in found and "torch.ops._c10d_functional.wait_tensor" in found
+    assert "torch.distributed._functional_collectives" in found
+    assert not any("_to_copy" in f for f in found)
+
+
+def test_only_the_internals_module_uses_torch_internals() -> None:
+    offenders = {
+        name: used
+        for name, path in LIBRARY.items()
+        if name != INTERNALS and not name.startswith("fsdp_compile.testing")
+        and (used := _torch_internals_used(name, path))
+    }
+    assert not offenders, f"torch internals outside {INTERNALS}: {offenders}"
+    assert _torch_internals_used(INTERNALS, LIBRARY[INTERNALS]), "the scan finds nothing in the internals module"
+
+
+def test_no_library_module_is_long() -> None:
+    long = {name: n for name, path in LIBRARY.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"split these modules (over {MAX_LINES} lines): {long}"
+
+
+def test_the_wheel_installs_passes_and_lowering_inside_the_package(tmp_path: Path) -> None:
+    """pyproject.toml maps the top-level folders into the package: nothing called passes or lowering may
+    land at the top of site-packages."""
+    source = tmp_path / "source"  # a copy of the tracked files: no stale build/ folder can leak into the wheel
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True, text=True).stdout
+    for name in filter(None, tracked.split("\0")):
+        (source / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / name, source / name)
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
+        check=True, capture_output=True, timeout=600, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+    )
+    (wheel,) = tmp_path.glob("fsdp_compile-*.whl")
+    files = zipfile.ZipFile(wheel).namelist()
+    tops = {f.split("/")[0] for f in files if not f.split("/")[0].endswith(".dist-info")}
+    assert tops == {"fsdp_compile"}, tops
+    for module in ("fsdp_compile/passes/schedule_overlap.py", "fsdp_compile/lowering/lower_to_symm_mem.py",
+                   "fsdp_compile/_internals.py", "fsdp_compile/testing/llama.py"):
+        assert module in files, module
+    expected = {f"{name.replace('.', '/')}{'/__init__' if p.name == '__init__.py' else ''}.py" for name, p in LIBRARY.items()}
+    assert expected <= set(files), sorted(expected - set(files))
+
+
+@pytest.mark.parametrize("package", ["fsdp_compile.passes", "fsdp_compile.lowering"])
+def test_the_mapped_packages_import_from_their_top_level_folders(package: str) -> None:
+    module = __import__(package, fromlist=["_"])
+    assert Path(module.__file__).resolve().parent == PACKAGES[package]
+
+
+def test_a_missing_torch_feature_is_named_with_the_torch_version() -> None:
+    import re
+
+    import torch
+
+    from fsdp_compile import _internals
+
+    message = f"needs torch._dynamo.utils.no_such_thing, which torch {torch.__version__} lacks"
+    with pytest.raises(_internals.MissingTorchFeature, match=re.escape(message)):
+        _internals._need("torch._dynamo.utils", "no_such_thing")
