@@ -14,8 +14,11 @@ OUT=${OUT:-/tmp/fsdp_compile_gpu}
 TOKENS=${TOKENS:-1024 4096}
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
+# An install, not PYTHONPATH: passes/ and lowering/ are top-level folders that only an install maps into the
+# package (fsdp_compile.passes, fsdp_compile.lowering).
 python3 -m pip install --no-deps --no-build-isolation -q -e . >"$OUT/install.log" 2>&1 \
-  || { echo "pip install -e . failed (see install.log); using PYTHONPATH"; export PYTHONPATH=$PWD; }
+  || python3 -m pip install --no-deps -q -e . >>"$OUT/install.log" 2>&1 \
+  || { echo "pip install -e . failed (see install.log)"; tail -n 20 "$OUT/install.log"; exit 1; }
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -c \
   "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"; } | tee "$OUT/env.log"
 

@@ -19,8 +19,16 @@ import torch.fx as fx
 from fsdp_compile import _internals, debug
 from fsdp_compile._internals import PassPipeline, counters, inductor_config
 from fsdp_compile.config import BackendConfig
-from fsdp_compile.lowering.lower_to_symm_mem import LowerToSymmMem, reserve_workspace, workspace_nbytes
-from fsdp_compile.passes.insert_collectives import CollectivesPlan, apply_collectives, plan_collectives
+from fsdp_compile.lowering.lower_to_symm_mem import (
+    LowerToSymmMem,
+    reserve_workspace,
+    workspace_nbytes,
+)
+from fsdp_compile.passes.insert_collectives import (
+    CollectivesPlan,
+    apply_collectives,
+    plan_collectives,
+)
 from fsdp_compile.passes.map_units import plan_unit_inputs
 from fsdp_compile.passes.reshard_after_forward import ReshardAfterForward
 from fsdp_compile.passes.schedule_overlap import ScheduleOverlap
@@ -103,7 +111,9 @@ def _insert_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Co
         return plan
 
     if _internals.run_observed(gm, "fsdp_compile.insert_collectives", insert) is None:
-        raise ValueError("torch._inductor.config.disabled_passes names fsdp_compile.insert_collectives: it cannot be switched off")
+        raise ValueError(
+            "torch._inductor.config.disabled_passes names fsdp_compile.insert_collectives: it cannot be switched off"
+        )
     counters["fsdp_compile"]["all_gathers"] += len(plan.gathers)
     log.info("fsdp_compile: %d units gathered in a graph of %d nodes", len(plan.gathers), len(gm.graph.nodes))
     debug.record("dynamo", gm)

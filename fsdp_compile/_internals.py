@@ -29,6 +29,7 @@ import torch
 import torch.fx as fx
 
 __all__ = [
+    "CustomGraphPass",
     "MissingTorchFeature",
     "PassPipeline",
     "aot_autograd",
@@ -36,7 +37,6 @@ __all__ = [
     "compile_fx",
     "compile_fx_inner",
     "counters",
-    "CustomGraphPass",
     "hash_sources",
     "inductor_config",
     "is_backward_compile",

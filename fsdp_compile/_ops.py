@@ -3,7 +3,8 @@
 * ``fsdp_compile::unshard`` — a marker, never executed: under ``torch.compile`` every read of a sharded
   parameter becomes one call ``unshard(flat_shard, accum, offset, numel, shape, dtype)``. The backend's
   ``insert_collectives`` pass replaces all markers of one unit by ONE all-gather
-  (``cast_all_gather_differentiable``) and a view per parameter. A marker that survives means the graph was compiled by another backend.
+  (``cast_all_gather_differentiable``) and a view per parameter. A marker that survives means the graph was
+  compiled by another backend.
 * ``cast_all_gather_differentiable(shard, accum, ...)`` — the unit's collective pair as one autograd
   function: forward casts the flat shard to ``param_dtype`` and all-gathers it; backward averages the
   gradient over the group in ``reduce_dtype`` and casts it back to the shard's dtype. ``grad_reduction``
@@ -40,8 +41,8 @@ GradReduction = Literal["reduce_scatter", "all_to_all"]
 in the gradient's own dtype followed by each rank's sum of its parts in ``reduce_dtype``."""
 
 KEEP_GATHERED = "fsdp_compile.keep_gathered"
-"""Key in a ``cast_all_gather_differentiable`` node's ``meta["custom"]`` (which tracing copies onto the nodes it becomes): the
-unit is not resharded after forward."""
+"""Key in a ``cast_all_gather_differentiable`` node's ``meta["custom"]`` (which tracing copies onto the nodes
+it becomes): the unit is not resharded after forward."""
 
 
 def all_gather_nograd(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:

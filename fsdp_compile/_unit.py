@@ -1,5 +1,8 @@
 """The runtime state of one FSDP unit on this rank (:class:`UnitState`), and how to find it: from the
-sharded module (:func:`sharded_units`) or from its flat shard (:func:`unit_of_shard`)."""
+sharded module (:func:`sharded_units`) or from its flat shard (:func:`unit_of_shard`).
+
+Flat shard, pieces, gradients and weak references: [Note: flat shards, pieces and gradients] in
+docs/architecture.md."""
 
 from __future__ import annotations
 
@@ -14,7 +17,13 @@ from torch import nn
 from fsdp_compile._eager import EagerUnit
 from fsdp_compile._internals import counters
 from fsdp_compile._layout import ParamSlot, UnitLayout
-from fsdp_compile._ops import GradReduction, all_gather_nograd, cast_all_gather_differentiable, reduce_scatter_avg, unshard
+from fsdp_compile._ops import (
+    GradReduction,
+    all_gather_nograd,
+    cast_all_gather_differentiable,
+    reduce_scatter_avg,
+    unshard,
+)
 
 __all__ = ["Piece", "UnitState", "is_sharded", "register_units", "sharded_units", "unit_of_shard", "weak_hook"]
 
@@ -68,16 +77,25 @@ class UnitState:
         self.requires_gradient_sync = True
         self.accum: torch.Tensor | None = None
         """Gradient sync off: a full-size leaf in reduce_dtype whose .grad accumulates the unreduced gradient."""
-        self.eager = EagerUnit(self.cast_all_gather_differentiable, reshard=self.world_size > 1 and reshard_after_forward)
+        self.eager = EagerUnit(
+            self.cast_all_gather_differentiable, reshard=self.world_size > 1 and reshard_after_forward
+        )
         """Eager mode (the unit's forward hooks and saved-tensor hooks)."""
 
     def __repr__(self) -> str:
-        return f"UnitState({self.layout.fqn or '<root>'!r}, params={len(self.layout.slots)}, shard={self.layout.shard_numel})"
+        name = self.layout.fqn or "<root>"
+        return f"UnitState({name!r}, params={len(self.layout.slots)}, shard={self.layout.shard_numel})"
 
     def cast_all_gather_differentiable(self) -> torch.Tensor:
         """All-gather the whole unit in ``param_dtype`` in eager mode, differentiable like the compiled graphs."""
         return cast_all_gather_differentiable(
-            self.flat, self.accum, self.param_dtype, self.reduce_dtype, self.grad_reduction, self.world_size, self.group_name
+            self.flat,
+            self.accum,
+            self.param_dtype,
+            self.reduce_dtype,
+            self.grad_reduction,
+            self.world_size,
+            self.group_name,
         )
 
     def unshard_param(self, slot: ParamSlot) -> torch.Tensor:

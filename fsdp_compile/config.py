@@ -102,7 +102,9 @@ class BackendConfig:
         for name in ("overlap", "cudagraphs"):
             _check_bool(name, getattr(self, name))
         _check_int("prefetch", self.prefetch, minimum=0, meaning="units issued ahead")
-        _check_int("max_inflight_grad_reductions", self.max_inflight_grad_reductions, minimum=1, meaning="reductions in flight")
+        _check_int(
+            "max_inflight_grad_reductions", self.max_inflight_grad_reductions, minimum=1, meaning="reductions in flight"
+        )
         if self.cudagraphs and self.compiler != "inductor":
             raise ValueError(
                 "cudagraphs=True needs compiler='inductor' (CUDA graphs are an Inductor feature), "

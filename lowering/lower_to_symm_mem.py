@@ -40,7 +40,13 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile import _internals
-from fsdp_compile._graph import ALL_GATHER, GraphPass, lint_and_recompile, named, plan_json
+from fsdp_compile._graph import (
+    ALL_GATHER,
+    GraphPass,
+    lint_and_recompile,
+    named,
+    plan_json,
+)
 
 __all__ = [
     "LowerToSymmMem",

@@ -31,7 +31,12 @@ from torch.fx.operator_schemas import normalize_function
 
 from fsdp_compile._graph import lint_and_recompile, plan_json
 from fsdp_compile._layout import ParamSlot
-from fsdp_compile._ops import KEEP_GATHERED, GradReduction, cast_all_gather_differentiable, unshard
+from fsdp_compile._ops import (
+    KEEP_GATHERED,
+    GradReduction,
+    cast_all_gather_differentiable,
+    unshard,
+)
 from fsdp_compile._unit import UnitState
 from fsdp_compile.passes.map_units import UnitInputsPlan, iter_graphs
 

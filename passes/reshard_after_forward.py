@@ -24,7 +24,16 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_compile._graph import ALL_GATHER, CASTS, WAIT, GraphPass, lint_and_recompile, named, plan_json, producers
+from fsdp_compile._graph import (
+    ALL_GATHER,
+    CASTS,
+    WAIT,
+    GraphPass,
+    lint_and_recompile,
+    named,
+    plan_json,
+    producers,
+)
 from fsdp_compile._internals import is_view_op
 from fsdp_compile._ops import KEEP_GATHERED
 

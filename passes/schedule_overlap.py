@@ -125,7 +125,8 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
         issue_before = gathers[max(i - prefetch, 0)][2]  # the wait of the unit `prefetch` units earlier
         before.setdefault(issue_before, []).extend([*chain, ag])
     for j, (_, tail) in enumerate(scatters):
-        later = scatters[j + max_inflight_grad_reductions][0] if j + max_inflight_grad_reductions < len(scatters) else output
+        k = j + max_inflight_grad_reductions
+        later = scatters[k][0] if k < len(scatters) else output
         before.setdefault(later, []).extend(tail)
 
     order: list[fx.Node] = []
@@ -179,7 +180,8 @@ class ScheduleOverlap(GraphPass):
         self.max_inflight_grad_reductions = max_inflight_grad_reductions
 
     def plan(self, graph: fx.Graph) -> OverlapPlan:
-        return plan_overlap(graph, prefetch=self.prefetch, max_inflight_grad_reductions=self.max_inflight_grad_reductions)
+        reductions = self.max_inflight_grad_reductions
+        return plan_overlap(graph, prefetch=self.prefetch, max_inflight_grad_reductions=reductions)
 
     def options(self) -> str:
         return f"{self.prefetch},{self.max_inflight_grad_reductions}"

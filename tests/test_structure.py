@@ -16,7 +16,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"fsdp_compile": ROOT / "fsdp_compile", "fsdp_compile.passes": ROOT / "passes", "fsdp_compile.lowering": ROOT / "lowering"}
+PACKAGES = {
+    "fsdp_compile": ROOT / "fsdp_compile",
+    "fsdp_compile.passes": ROOT / "passes",
+    "fsdp_compile.lowering": ROOT / "lowering",
+}
 """Where each library package's files are (pyproject.toml's package-dir)."""
 INTERNALS = "fsdp_compile._internals"
 MAX_LINES = 300
@@ -47,7 +51,9 @@ def _imports(name: str, path: Path) -> Iterator[tuple[str, ast.AST]]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             for alias in node.names:  # a submodule, or a name defined in the module `base`
                 yield (f"{base}.{alias.name}" if f"{base}.{alias.name}" in LIBRARY else base), node
 
@@ -104,11 +110,17 @@ def _torch_internals_used(name: str, path: Path) -> list[str]:
     """Private torch modules ``name`` imports, and private attributes of torch it reads
     (``torch._C``, ``torch.ops._c10d_functional``, ``torch.distributed._symmetric_memory``; an op name
     such as ``torch.ops.aten._to_copy`` is not one)."""
-    used = [imported for imported, _ in _imports(name, path) if imported.split(".")[0] == "torch" and _private(imported.split("."))]
+    used = [
+        imported
+        for imported, _ in _imports(name, path)
+        if imported.split(".")[0] == "torch" and _private(imported.split("."))
+    ]
     aliases = {"torch": ["torch"]}
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
-            aliases.update({a.asname: a.name.split(".") for a in node.names if a.asname and a.name.startswith("torch.")})
+            aliases.update(
+                {a.asname: a.name.split(".") for a in node.names if a.asname and a.name.startswith("torch.")}
+            )
         elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch"):
             aliases.update({a.asname or a.name: [*node.module.split("."), a.name] for a in node.names})
     for node in ast.walk(ast.parse(path.read_text())):
@@ -140,7 +152,8 @@ def test_only_the_internals_module_uses_torch_internals() -> None:
     offenders = {
         name: used
         for name, path in LIBRARY.items()
-        if name != INTERNALS and not name.startswith("fsdp_compile.testing")
+        if name != INTERNALS
+        and not name.startswith("fsdp_compile.testing")
         and (used := _torch_internals_used(name, path))
     }
     assert not offenders, f"torch internals outside {INTERNALS}: {offenders}"
@@ -162,16 +175,25 @@ def test_the_wheel_installs_passes_and_lowering_inside_the_package(tmp_path: Pat
         shutil.copy2(ROOT / name, source / name)
     subprocess.run(
         [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(tmp_path), str(source)],
-        check=True, capture_output=True, timeout=600, env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
+        check=True,
+        capture_output=True,
+        timeout=600,
+        env={**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"},
     )
     (wheel,) = tmp_path.glob("fsdp_compile-*.whl")
     files = zipfile.ZipFile(wheel).namelist()
     tops = {f.split("/")[0] for f in files if not f.split("/")[0].endswith(".dist-info")}
     assert tops == {"fsdp_compile"}, tops
-    for module in ("fsdp_compile/passes/schedule_overlap.py", "fsdp_compile/lowering/lower_to_symm_mem.py",
-                   "fsdp_compile/_internals.py", "fsdp_compile/testing/llama.py"):
+    for module in (
+        "fsdp_compile/passes/schedule_overlap.py",
+        "fsdp_compile/lowering/lower_to_symm_mem.py",
+        "fsdp_compile/_internals.py",
+        "fsdp_compile/testing/llama.py",
+    ):
         assert module in files, module
-    expected = {f"{name.replace('.', '/')}{'/__init__' if p.name == '__init__.py' else ''}.py" for name, p in LIBRARY.items()}
+    expected = {
+        f"{name.replace('.', '/')}{'/__init__' if p.name == '__init__.py' else ''}.py" for name, p in LIBRARY.items()
+    }
     assert expected <= set(files), sorted(expected - set(files))
 
 
