@@ -108,8 +108,9 @@ def hash_sources(paths: Iterable[str], extra: str = "") -> bytes:
 
 def run_observed(gm: fx.GraphModule, name: str, graph_pass: Callable[[fx.Graph], T]) -> T | None:
     """Run ``graph_pass`` on ``gm.graph`` through Inductor's ``GraphTransformObserver``, as Inductor runs its
-    own passes: ``INDUCTOR_LOG_URL_FOR_GRAPH_XFORM=DIR`` dumps the graph before and after it, and
-    ``torch._inductor.config.disabled_passes`` can name it to switch it off (then: None)."""
+    own passes: provenance tracking records ``name`` on the nodes it creates,
+    ``INDUCTOR_LOG_URL_FOR_GRAPH_XFORM=DIR`` draws the graph before and after it (if it creates or erases
+    nodes), and ``torch._inductor.config.disabled_passes`` can name it to switch it off (then: None)."""
     return _GraphTransformObserver(gm, name).apply_graph_pass(graph_pass)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.fx as fx
+from torch._inductor import config as inductor_config
 
 import fsdp_compile
 from fsdp_compile.passes.schedule_overlap import plan_overlap
@@ -123,6 +124,22 @@ def test_prefetch_keeps_at_most_prefetch_more_units_alive(prefetch: int) -> None
         plan = plan_overlap(gm.graph, prefetch=prefetch, max_inflight_grad_reductions=2)
         unit_bytes = max(n.meta["val"].numel() * n.meta["val"].element_size() for n in gm.graph.nodes if n.target == WAIT)
         assert plan.extra_bytes >= prefetch * unit_bytes
+
+
+def test_the_pass_runs_in_inductors_observer_and_can_be_switched_off_by_name() -> None:
+    """Each pass runs through Inductor's GraphTransformObserver under ``fsdp_compile.<pass>``, so
+    ``torch._inductor.config.disabled_passes`` reaches it (and a graph dump can show it)."""
+    with inductor_config.patch(disabled_passes="fsdp_compile.schedule_overlap"):
+        disabled = _graphs()
+    unscheduled = _graphs(overlap=False)
+    for stage in ("forward", "backward"):
+        assert _order(disabled[stage]) == _order(unscheduled[stage])
+
+
+def test_insert_collectives_cannot_be_switched_off() -> None:
+    with inductor_config.patch(disabled_passes="fsdp_compile.insert_collectives"):
+        with pytest.raises(Exception, match="names fsdp_compile.insert_collectives: it cannot be switched off"):
+            _graphs()
 
 
 def test_bad_options() -> None:
