@@ -5,6 +5,7 @@
 """
 
 from fsdp_compile._backend import backend
+from fsdp_compile._clip_grad_norm import clip_grad_norm_
 from fsdp_compile._shard import set_requires_gradient_sync, shard
 from fsdp_compile._state_dict import (
     full_optimizer_state_dict,
@@ -19,6 +20,7 @@ __all__ = [
     "BackendConfig",
     "MixedPrecision",
     "backend",
+    "clip_grad_norm_",
     "full_optimizer_state_dict",
     "full_state_dict",
     "load_full_optimizer_state_dict",
