@@ -50,10 +50,12 @@ def _post_grad_passes(config: BackendConfig) -> PassPipeline | None:
 
 
 def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
-    """Inductor settings for the forward and backward compiles: our post-grad passes; when the overlap
-    schedule runs, no peak-memory reordering after it (that reordering would issue each all-gather at its
-    use again); CUDA graphs when asked for."""
-    settings: dict[str, Any] = {"triton.cudagraphs": True} if config.cudagraphs else {}
+    """Inductor settings for the forward and backward compiles: our joint and post-grad passes; when the
+    overlap schedule runs, no peak-memory reordering after it (that reordering would issue each all-gather
+    at its use again); CUDA graphs when asked for."""
+    settings: dict[str, Any] = {"joint_custom_pre_pass": ReshardAfterForward()}
+    if config.cudagraphs:
+        settings["triton.cudagraphs"] = True
     passes = _post_grad_passes(config)
     if passes is not None:
         settings["post_grad_custom_post_pass"] = passes
@@ -62,13 +64,37 @@ def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
     return settings
 
 
-def _inductor_inner_compile(config: BackendConfig) -> Callable[..., Any]:
+def _user_settings(config: BackendConfig, mode: str | None, options: dict[str, Any] | None) -> dict[str, Any]:
+    """``torch.compile(..., mode=..., options=...)`` as Inductor settings (``options`` win over ``mode``), checked
+    against Inductor's settings and against those fsdp_compile makes itself."""
+    if mode in (None, "default") and not options:
+        return {}
+    if config.compiler != "inductor":
+        raise ValueError(
+            f"torch.compile's mode= and options= are Inductor settings, but this backend runs compiler="
+            f"{config.compiler!r}: leave them out, or use fsdp_compile.backend(compiler='inductor')"
+        )
+    settings = {**(_internals.list_mode_options(mode) if mode not in (None, "default") else {}), **(options or {})}
+    unknown = sorted(set(settings) - set(inductor_config.get_config_copy()))
+    if unknown:
+        raise ValueError(f"torch.compile(options=...) names settings Inductor does not have: {unknown}")
+    ours = _inductor_settings(config)
+    clash = sorted(k for k in settings if k in ours and settings[k] != ours[k])
+    if clash:
+        raise ValueError(
+            f"torch.compile(mode=..., options=...) sets {clash}, which fsdp_compile sets itself for these options "
+            f"({ {k: ours[k] for k in clash} }): leave them out (CUDA graphs: fsdp_compile.backend(cudagraphs=...))"
+        )
+    return settings
+
+
+def _inductor_inner_compile(settings: dict[str, Any]) -> Callable[..., Any]:
     """compile_fx_inner for both graphs. The backward graph is compiled lazily, at the first backward,
     outside ``_compile``'s settings, so they are patched in again here."""
 
     def inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         debug.record("backward" if _internals.is_backward_compile(kwargs) else "forward", gm)
-        with inductor_config.patch(_inductor_settings(config)):
+        with inductor_config.patch(settings):
             return _internals.compile_fx_inner(gm, example_inputs, **kwargs)
 
     return inner_compile
@@ -120,7 +146,15 @@ def _insert_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Co
     return plan
 
 
-def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *, config: BackendConfig) -> Callable[..., Any]:
+def _compile(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    config: BackendConfig,
+    mode: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> Callable[..., Any]:
+    settings = {**_user_settings(config, mode, options), **_inductor_settings(config)}
     plan = _insert_collectives(gm, example_inputs)
     if config.all_gather == "copy_engine":
         _reserve_workspaces(gm, plan)
@@ -133,18 +167,22 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence[Any], *, config: Backe
         )(gm, example_inputs)
     # The passes are also patched around compile_fx so that they are part of the cache keys (FX graph and
     # AOTAutograd caches): a graph compiled with other options is never reused.
-    with inductor_config.patch(joint_custom_pre_pass=ReshardAfterForward(), **_inductor_settings(config)):
-        return _internals.compile_fx(gm, example_inputs, inner_compile=_inductor_inner_compile(config))
+    with inductor_config.patch(settings):
+        return _internals.compile_fx(gm, example_inputs, inner_compile=_inductor_inner_compile(settings))
 
 
 def backend(**options: Any) -> Callable[..., Any]:
     """A configured backend: ``torch.compile(model, backend=fsdp_compile.backend(**options))``.
 
-    ``options`` are the fields of :class:`fsdp_compile.BackendConfig`.
+    ``options`` are the fields of :class:`fsdp_compile.BackendConfig`. ``torch.compile``'s own ``mode=`` and
+    ``options=`` reach Inductor too, beside fsdp_compile's passes.
     """
     return functools.partial(_compile, config=BackendConfig(**options))
 
 
-def fsdp_compile_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-    """The backend registered as ``"fsdp_compile"`` (default options)."""
-    return _compile(gm, example_inputs, config=BackendConfig())
+def fsdp_compile_backend(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: str | None = None, options: dict[str, Any] | None = None
+) -> Callable[..., Any]:
+    """The backend registered as ``"fsdp_compile"`` (default options; ``torch.compile``'s ``mode=`` and
+    ``options=`` reach Inductor)."""
+    return _compile(gm, example_inputs, config=BackendConfig(), mode=mode, options=options)

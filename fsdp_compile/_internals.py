@@ -41,6 +41,7 @@ __all__ = [
     "inductor_config",
     "is_backward_compile",
     "is_view_op",
+    "list_mode_options",
     "make_boxed_func",
     "min_cut_rematerialization_partition",
     "register_work",
@@ -82,6 +83,8 @@ min_cut_rematerialization_partition: Callable[..., Any] = _need(
     "torch._functorch.partitioners", "min_cut_rematerialization_partition"
 )
 inductor_config: Any = _need("torch._inductor", "config")
+list_mode_options: Callable[..., dict[str, Any]] = _need("torch._inductor", "list_mode_options")
+"""``torch.compile``'s ``mode=`` -> Inductor settings."""
 compile_fx: Callable[..., Any] = _need("torch._inductor.compile_fx", "compile_fx")
 compile_fx_inner: Callable[..., Any] = _need("torch._inductor.compile_fx", "compile_fx_inner")
 CustomGraphPass: type = _need("torch._inductor.custom_graph_pass", "CustomGraphPass")

@@ -23,7 +23,9 @@ AG = "torch.ops._c10d_functional.all_gather_into_tensor.default("
 A2A = "torch.ops._c10d_functional.all_to_all_single.default("
 
 
-def _code(backend: object) -> list[str]:
+def _code(backend: object, **compile_options: object) -> list[str]:
+    """Inductor's code for the forward and backward graphs of a tiny Llama (bf16 params, fp32 reduce);
+    ``compile_options`` go to ``torch.compile`` (``mode=``, ``options=``)."""
     torch._dynamo.reset()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
@@ -33,7 +35,7 @@ def _code(backend: object) -> list[str]:
             units=[Block],
             mp=fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         )
-        compiled = torch.compile(model, backend=backend, fullgraph=True)
+        compiled = torch.compile(model, backend=backend, fullgraph=True, **compile_options)  # type: ignore[call-overload]
         tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
         _, code = run_and_get_code(lambda: compiled(tokens, tokens).backward())
     finally:
@@ -99,3 +101,55 @@ def test_cudagraphs_option_reaches_inductor() -> None:
     counters.clear()
     _code(fsdp_compile.backend())
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "compile_options, expected",
+    [
+        ({"mode": "max-autotune"}, {"max_autotune": True, "coordinate_descent_tuning": True}),
+        ({"options": {"epilogue_fusion": False, "max_autotune": True}}, {"epilogue_fusion": False, "max_autotune": True}),
+    ],
+    ids=["mode", "options"],
+)
+def test_compile_mode_and_options_reach_inductor_beside_the_passes(
+    monkeypatch: pytest.MonkeyPatch, compile_options: dict, expected: dict
+) -> None:
+    """``torch.compile(..., backend="fsdp_compile", mode=...)`` (or ``options=``): Inductor compiles both graphs
+    with those settings, and fsdp_compile's passes still run."""
+    from torch._inductor import config as inductor_config
+
+    from fsdp_compile import _internals
+
+    seen = []
+    real = _internals.compile_fx_inner
+
+    def spy(gm: torch.fx.GraphModule, example_inputs: object, **kwargs: object) -> object:
+        settings = {name: getattr(inductor_config, name) for name in expected}
+        seen.append((settings, inductor_config.post_grad_custom_post_pass is not None))
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(_internals, "compile_fx_inner", spy)
+    forward, backward = _code("fsdp_compile", **compile_options)
+    assert seen == [(expected, True)] * 2
+    FileCheck().check_count(AG, N_UNITS, exactly=True).run(forward)
+    assert _overlapped_gathers(backward) == N_UNITS - 1  # the overlap schedule survived
+
+
+@pytest.mark.parametrize(
+    "compile_options, message",
+    [
+        ({"options": {"no_such_setting": 1}}, r"names settings Inductor does not have: \['no_such_setting'\]"),
+        ({"options": {"reorder_for_peak_memory": True}}, r"sets \['reorder_for_peak_memory'\], which fsdp_compile sets itself"),
+        ({"options": {"post_grad_custom_post_pass": None}}, r"sets \['post_grad_custom_post_pass'\], which fsdp_compile"),
+    ],
+    ids=["unknown", "peak-memory-reordering", "post-grad-pass"],
+)
+def test_compile_options_that_cannot_work_are_refused(compile_options: dict, message: str) -> None:
+    with pytest.raises(Exception, match=message):
+        _code("fsdp_compile", **compile_options)
+
+
+def test_compile_mode_without_inductor_is_refused() -> None:
+    with pytest.raises(Exception, match=r"mode= and options= are Inductor settings, but this backend runs compiler='aot_eager'"):
+        _code(fsdp_compile.backend(compiler="aot_eager"), mode="max-autotune")

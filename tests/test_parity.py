@@ -110,6 +110,7 @@ class Case:
     keep_root_gathered: bool = False  # shard(reshard_after_forward=...) false for the root unit
     cudagraphs: bool = False  # BackendConfig.cudagraphs (CUDA graphs: GPU only)
     all_gather: Literal["nccl", "copy_engine"] = "nccl"  # BackendConfig.all_gather (copy engines: GPU only)
+    mode: str | None = None  # torch.compile(mode=...)
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:
@@ -143,7 +144,7 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
         backend = fsdp_compile.backend(
             compiler=case.compiler, overlap=case.overlap, cudagraphs=case.cudagraphs, all_gather=case.all_gather
         )
-        run = torch.compile(model, backend=backend, fullgraph=not case.graph_break)
+        run = torch.compile(model, backend=backend, fullgraph=not case.graph_break, mode=case.mode)
     opt = torch.optim.AdamW(_param_groups(model), lr=LR)
     ref_opt = torch.optim.AdamW(_param_groups(ref), lr=LR)
     n_units = len(fsdp_compile.sharded_units(model))
@@ -204,6 +205,12 @@ def test_parity_aot_eager(world_size: int, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_parity_fp32_inductor(world_size: int) -> None:
     spawn_ranks(_train_and_compare, world_size, Case("inductor"))
+
+
+@pytest.mark.slow
+def test_parity_compile_mode_max_autotune() -> None:
+    """torch.compile's mode= reaches Inductor (tests/test_codegen.py) and training keeps its numbers."""
+    spawn_ranks(_train_and_compare, 2, Case("inductor", steps=3, mode="max-autotune"))
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
