@@ -31,7 +31,7 @@ def apply_shard(module: nn.Module, plan: ShardPlan, group: dist.ProcessGroup) ->
     built = [_build_unit(module, unit, group, rank) for unit in plan.units]
 
     watch_optimizers()
-    sharded_modules: dict[int, nn.Module] = {}
+    sharded_modules: dict[int, nn.Module] = {id(module): module}  # the root too: it refuses conversions
     for state, originals in built:
         for piece, original in zip(state.pieces, originals):
             mark_replaced(original, piece.slot.names[0])
@@ -46,9 +46,10 @@ def apply_shard(module: nn.Module, plan: ShardPlan, group: dist.ProcessGroup) ->
         unit_module.register_forward_hook(state.eager.post_forward)
         state.flat.register_post_accumulate_grad_hook(weak_hook(state.distribute_grad))
     for owner in sharded_modules.values():
-        owner.__class__ = _sharded_class(type(owner), tuple(sorted(getattr(owner, SLOTS_ATTR))))
+        owner.__class__ = _sharded_class(type(owner), tuple(sorted(getattr(owner, SLOTS_ATTR, {}))))
     states = [state for state, _ in built]
     register_units(module, states)
+    module.register_forward_pre_hook(_CheckParametersSharded(states), prepend=True)  # before any unit gathers
     log.info("fsdp_compile.shard: %d units over %d ranks: %s", len(states), world_size, states)
     return states
 
@@ -87,6 +88,52 @@ def _build_unit(
     return state, params
 
 
+class _CheckParametersSharded:
+    """Forward pre-hook of the sharded root, in eager mode (the backend checks compiled graphs): refuse a
+    parameter that belongs to no unit (added after ``shard()``), whose gradient nothing would average."""
+
+    def __init__(self, states: list[UnitState]) -> None:
+        self.pieces = {id(piece.param) for state in states for piece in state.pieces}
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        for name, param in module.named_parameters():
+            if id(param) not in self.pieces:
+                raise RuntimeError(unsharded_parameter_message(name))
+
+
+def unsharded_parameter_message(name: str) -> str:
+    return (
+        f"parameter {name} belongs to no FSDP unit (was it added after fsdp_compile.shard()?): nothing would "
+        "average its gradient over the ranks, and they would drift apart. Build the whole model before shard(), "
+        "and shard it once, from its top-level module"
+    )
+
+
+def _refuse_conversion(cls: type[nn.Module]) -> Any:
+    """The ``_apply`` of a sharded class: ``.to(dtype)``, ``.float()``, ``.cuda()``... would give the flat shards'
+    pieces new storage, cut off from the shards the model reads and the optimizer steps. Refused when it
+    would convert a shard; other calls (``.to`` the shards' own device and dtype) go through."""
+
+    def _apply(module: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+        subtree = module.modules() if recurse else [module]
+        units = {id(state): state for m in subtree for state, _ in getattr(m, SLOTS_ATTR, {}).values()}
+        for state in units.values():
+            probe = state.flat.detach()[:0]
+            converted = fn(probe)
+            if (converted.dtype, converted.device) != (probe.dtype, probe.device):
+                raise TypeError(
+                    f"{type(module).__name__} was sharded by fsdp_compile.shard(): converting it would move its flat "
+                    f"shards from {probe.dtype} on {probe.device} to {converted.dtype} on {converted.device} and cut "
+                    "the optimizer's parameters off from them. Convert the model before shard() (e.g. model.float() "
+                    "or model.to(device)), then shard it, then build the optimizer"
+                )
+        return cls._apply(module, fn, recurse)
+
+    return _apply
+
+
 def _param_property(name: str) -> property:
     def fget(module: nn.Module) -> torch.Tensor:
         state, slot = getattr(module, SLOTS_ATTR)[name]
@@ -104,5 +151,6 @@ def _sharded_class(cls: type[nn.Module], names: tuple[str, ...]) -> type[nn.Modu
     if key not in _SHARDED_CLASSES:
         props: dict[str, Any] = {name: _param_property(name) for name in names}
         props["__module__"] = cls.__module__
+        props["_apply"] = _refuse_conversion(cls)
         _SHARDED_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), props)
     return _SHARDED_CLASSES[key]

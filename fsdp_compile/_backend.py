@@ -15,8 +15,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch.fx as fx
+from torch import nn
 
 from fsdp_compile import _internals, debug
+from fsdp_compile._apply_shard import unsharded_parameter_message
 from fsdp_compile._internals import PassPipeline, counters, inductor_config
 from fsdp_compile.config import BackendConfig
 from fsdp_compile.lowering.lower_to_symm_mem import (
@@ -128,7 +130,16 @@ def _reserve_workspaces(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
         reserve_workspace(group_name, workspace_nbytes(group_shards))
 
 
+def _check_parameters_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> None:
+    """Refuse a parameter Dynamo lifted as a graph input: sharded parameters are never read (their class's
+    property reads the unit), so it belongs to no unit and nothing would average its gradient."""
+    for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs):
+        if isinstance(value, nn.Parameter):
+            raise RuntimeError(unsharded_parameter_message(_internals.placeholder_source(node)))
+
+
 def _insert_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CollectivesPlan:
+    _check_parameters_sharded(gm, example_inputs)
     plan = plan_collectives(gm, plan_unit_inputs(gm, example_inputs))
     debug.artifact("collectives_plan", plan.to_json)
 

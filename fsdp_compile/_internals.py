@@ -31,6 +31,7 @@ import torch.fx as fx
 __all__ = [
     "CustomGraphPass",
     "MissingTorchFeature",
+    "OptimizedModule",
     "PassPipeline",
     "aot_autograd",
     "c10d_functional",
@@ -43,6 +44,7 @@ __all__ = [
     "is_view_op",
     "list_mode_options",
     "make_boxed_func",
+    "placeholder_source",
     "min_cut_rematerialization_partition",
     "register_work",
     "run_observed",
@@ -82,6 +84,8 @@ make_boxed_func: Callable[..., Any] = _need("torch._functorch.aot_autograd", "ma
 min_cut_rematerialization_partition: Callable[..., Any] = _need(
     "torch._functorch.partitioners", "min_cut_rematerialization_partition"
 )
+OptimizedModule: type = _need("torch._dynamo.eval_frame", "OptimizedModule")
+"""What ``torch.compile(module)`` returns."""
 inductor_config: Any = _need("torch._inductor", "config")
 list_mode_options: Callable[..., dict[str, Any]] = _need("torch._inductor", "list_mode_options")
 """``torch.compile``'s ``mode=`` -> Inductor settings."""
@@ -101,6 +105,16 @@ c10d_functional: Any = torch.ops._c10d_functional
 def is_view_op(target: object) -> bool:
     """Whether an FX node's target is an aten op whose result aliases its input."""
     return isinstance(target, _OpOverload) and target.is_view
+
+
+def placeholder_source(node: fx.Node) -> str:
+    """Where Dynamo took a graph input from (``L['self']._modules['fc']._parameters['weight']``), else the
+    placeholder's name."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    if name is None:
+        return node.name
+    return str(name() if callable(name) else name)
 
 
 def hash_sources(paths: Iterable[str], extra: str = "") -> bytes:

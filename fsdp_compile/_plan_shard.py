@@ -21,6 +21,7 @@ from typing import NamedTuple, Union
 import torch
 from torch import nn
 
+from fsdp_compile._internals import OptimizedModule
 from fsdp_compile._layout import UnitLayout, plan_layout
 from fsdp_compile._ops import GradReduction
 from fsdp_compile.config import MixedPrecision
@@ -90,6 +91,7 @@ def plan_shard(
     """The units of ``module`` and their layouts over ``world_size`` ranks (see ``fsdp_compile.shard``)."""
     mp = _check_mixed_precision(mp)
     _check_reshard_spec(reshard_after_forward)
+    _check_not_compiled(module)
     unit_of = _unit_of_modules(module, units)
     owners = _owners(module)
     _check_parameters(module, owners)
@@ -138,6 +140,16 @@ def _check_reshard_spec(reshard_after_forward: object) -> None:
         raise TypeError(
             "reshard_after_forward must be a bool or a predicate (unit fqn, unit module) -> bool, "
             f"got {reshard_after_forward!r}"
+        )
+
+
+def _check_not_compiled(module: nn.Module) -> None:
+    compiled = [fqn or "<the module itself>" for fqn, sub in module.named_modules() if isinstance(sub, OptimizedModule)]
+    if compiled:
+        raise TypeError(
+            f"{type(module).__name__} holds modules wrapped by torch.compile ({', '.join(compiled[:3])}): shard the "
+            "plain model first, then compile it whole: fsdp_compile.shard(model, units=...); "
+            "model = torch.compile(model, backend='fsdp_compile')"
         )
 
 

@@ -76,6 +76,12 @@ def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
                 "first (one process per rank) or pass group=..."
             )
         return dist.group.WORLD  # type: ignore[return-value]
+    if group is dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"this rank (global rank {dist.get_rank()}) is not a member of the process group passed as group=: "
+            "call fsdp_compile.shard(..., group=g) only on the ranks in g (dist.new_group(ranks) returns "
+            "GroupMember.NON_GROUP_MEMBER on the others)"
+        )
     if not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed.ProcessGroup or None, got {type(group).__name__}")
     return group

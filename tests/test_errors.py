@@ -12,7 +12,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, RMSNorm
 
 
 @pytest.fixture
@@ -175,3 +175,53 @@ def test_the_old_name_of_max_inflight_grad_reductions_still_works() -> None:
         fsdp_compile.backend(max_inflight_reduce_scatters=1)
     with pytest.raises(TypeError, match="not both"):
         fsdp_compile.BackendConfig(max_inflight_grad_reductions=4, max_inflight_reduce_scatters=3)
+
+
+def test_converting_a_sharded_model_is_refused_and_changes_nothing(pg: None) -> None:
+    model = fsdp_compile.shard(Llama(LLAMA_TINY).double(), units=[Block])
+    flats = [unit.flat for unit in fsdp_compile.sharded_units(model)]
+    before = _snapshot(model)
+    for convert in (lambda m: m.float(), lambda m: m.to(torch.float32), lambda m: m.layers[1].half()):
+        with pytest.raises(TypeError, match=r"converting it would move its flat shards from torch.float64 on cpu to "
+                                            r"torch.(float32|float16) on cpu .* Convert the model before shard\(\)"):
+            convert(model)
+        assert _snapshot(model) == before
+        assert all(p.dtype == torch.float64 for p in model.parameters())
+        assert [unit.flat for unit in fsdp_compile.sharded_units(model)] == flats
+    assert model.to("cpu", torch.float64) is model  # to what it already is: fine
+
+
+def test_a_parameter_added_after_shard_is_refused_eager_and_compiled(pg: None) -> None:
+    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    model.norm = RMSNorm(LLAMA_TINY.dim)  # a new module with a parameter no unit holds
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
+    with pytest.raises(RuntimeError, match=r"parameter norm.weight belongs to no FSDP unit .* would drift apart"):
+        model(tokens, tokens)
+    compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True)
+    with pytest.raises(Exception, match=r"parameter .*norm.*weight.* belongs to no FSDP unit"):
+        compiled(tokens, tokens)
+
+
+def test_a_compiled_module_is_refused(pg: None) -> None:
+    model = Llama(LLAMA_TINY)
+    _expect_unchanged(torch.compile(model), TypeError, r"wrapped by torch.compile \(<the module itself>\): shard the plain "
+                      r"model first", units=[Block])
+    model.layers[1] = torch.compile(model.layers[1])
+    _expect_unchanged(model, TypeError, r"wrapped by torch.compile \(layers.1\)", units=[Block])
+
+
+def _not_a_member(rank: int, world_size: int) -> None:
+    only_rank0 = dist.new_group([0])
+    model = Llama(LLAMA_TINY)
+    if rank == 0:
+        fsdp_compile.shard(model, units=[Block], group=only_rank0)
+        assert fsdp_compile.sharded_units(model)[0].world_size == 1
+    else:
+        _expect_unchanged(model, ValueError, r"this rank \(global rank 1\) is not a member of the process group passed "
+                          r"as group=", units=[Block], group=only_rank0)
+
+
+def test_a_group_this_rank_is_not_in() -> None:
+    from fsdp_compile.testing.dist import spawn_ranks
+
+    spawn_ranks(_not_a_member, 2)
