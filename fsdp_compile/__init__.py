@@ -7,6 +7,7 @@
 from fsdp_compile._backend import backend
 from fsdp_compile._clip_grad_norm import clip_grad_norm_
 from fsdp_compile._shard import set_requires_gradient_sync, shard
+from fsdp_compile._sharded_state_dict import load_sharded_optimizer_state_dict, sharded_optimizer_state_dict
 from fsdp_compile._state_dict import (
     full_optimizer_state_dict,
     full_state_dict,
@@ -25,7 +26,9 @@ __all__ = [
     "full_state_dict",
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
+    "load_sharded_optimizer_state_dict",
     "set_requires_gradient_sync",
     "shard",
+    "sharded_optimizer_state_dict",
     "sharded_units",
 ]

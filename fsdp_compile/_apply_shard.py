@@ -15,6 +15,7 @@ from torch import nn
 
 from fsdp_compile._optimizer_guard import mark_replaced, watch_optimizers
 from fsdp_compile._plan_shard import ShardPlan, UnitPlan
+from fsdp_compile._sharded_state_dict import install_state_dict_hooks
 from fsdp_compile._unit import SLOTS_ATTR, Piece, UnitState, register_units, weak_hook
 
 __all__ = ["apply_shard"]
@@ -50,6 +51,7 @@ def apply_shard(module: nn.Module, plan: ShardPlan, group: dist.ProcessGroup) ->
     states = [state for state, _ in built]
     register_units(module, states)
     module.register_forward_pre_hook(_CheckParametersSharded(states), prepend=True)  # before any unit gathers
+    install_state_dict_hooks(module)
     log.info("fsdp_compile.shard: %d units over %d ranks: %s", len(states), world_size, states)
     return states
 

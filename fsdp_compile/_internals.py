@@ -32,6 +32,8 @@ __all__ = [
     "CustomGraphPass",
     "MissingTorchFeature",
     "OptimizedModule",
+    "Shard",
+    "ShardMetadata",
     "PassPipeline",
     "aot_autograd",
     "c10d_functional",
@@ -39,8 +41,11 @@ __all__ = [
     "compile_fx_inner",
     "counters",
     "hash_sources",
+    "flat_optimizer_state",
+    "get_optimizer_state_dict",
     "inductor_config",
     "is_backward_compile",
+    "is_sharded_tensor",
     "is_view_op",
     "list_mode_options",
     "make_boxed_func",
@@ -48,6 +53,8 @@ __all__ = [
     "min_cut_rematerialization_partition",
     "register_work",
     "run_observed",
+    "set_optimizer_state_dict",
+    "sharded_tensor",
     "symm_mem_backend_stream",
     "symm_mem_workspace",
     "symmetric_memory",
@@ -97,9 +104,41 @@ trace_structured: Callable[..., None] = _need("torch._logging", "trace_structure
 _OpOverload: type = _need("torch._ops", "OpOverload")
 _GraphTransformObserver: type = _need("torch.fx.passes.graph_transform_observer", "GraphTransformObserver")
 
+ShardMetadata: type = _need("torch.distributed._shard.metadata", "ShardMetadata")
+Shard: type = _need("torch.distributed._shard.sharded_tensor", "Shard")
+_ShardedTensor: type = _need("torch.distributed._shard.sharded_tensor", "ShardedTensor")
+_ShardedTensorMetadata: type = _need("torch.distributed._shard.sharded_tensor.metadata", "ShardedTensorMetadata")
+_TensorProperties: type = _need("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties")
+get_optimizer_state_dict: Callable[..., dict[str, Any]] = _need(
+    "torch.distributed.checkpoint.state_dict", "get_optimizer_state_dict"
+)
+set_optimizer_state_dict: Callable[..., None] = _need("torch.distributed.checkpoint.state_dict", "set_optimizer_state_dict")
+_StateDictOptions: type = _need("torch.distributed.checkpoint.state_dict", "StateDictOptions")
+
+
+def flat_optimizer_state() -> Any:
+    """Options of ``get/set_optimizer_state_dict``: one key per parameter state and hyperparameter, as DCP
+    needs to reshard them."""
+    return _StateDictOptions(flatten_optimizer_state_dict=True)
+
 c10d_functional: Any = torch.ops._c10d_functional
 """The functional collectives' op namespace (``all_gather_into_tensor``, ``wait_tensor``, ...). Their
 ``group_name`` argument is a ``str`` on 2.11 (``Any`` on 2.13): always pass a string."""
+
+
+def is_sharded_tensor(value: object) -> bool:
+    return isinstance(value, _ShardedTensor)
+
+
+def sharded_tensor(
+    shards: list[Any], metadata: list[Any], shape: tuple[int, ...], like: torch.Tensor, group: Any
+) -> Any:
+    """A ShardedTensor of ``shape`` from this rank's ``shards`` and every rank's shard ``metadata`` (no
+    collective: every rank knows the whole layout)."""
+    global_metadata = _ShardedTensorMetadata(
+        shards_metadata=metadata, size=torch.Size(shape), tensor_properties=_TensorProperties(dtype=like.dtype)
+    )
+    return _ShardedTensor._init_from_local_shards_and_global_metadata(shards, global_metadata, process_group=group)
 
 
 def is_view_op(target: object) -> bool:

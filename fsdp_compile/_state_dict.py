@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from fsdp_compile._layout import ParamSlot
+from fsdp_compile._sharded_state_dict import local_state_dict
 from fsdp_compile._unit import UnitState, sharded_units
 
 __all__ = ["full_optimizer_state_dict", "full_state_dict", "load_full_optimizer_state_dict", "load_full_state_dict"]
@@ -43,10 +44,9 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
                 full[id(piece.param)] = _emit(value, cpu_offload)
     if not keep:
         return {}
-    return {
-        key: full[id(value)] if id(value) in full else _emit(value.detach(), cpu_offload)
-        for key, value in module.state_dict(keep_vars=True).items()
-    }
+    with local_state_dict():
+        entries = module.state_dict(keep_vars=True)
+    return {key: full[id(value)] if id(value) in full else _emit(value.detach(), cpu_offload) for key, value in entries.items()}
 
 
 def _check_keys(expected: list[str], given: Mapping[str, Any], what: str) -> None:
@@ -61,7 +61,8 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
     """Load a full state dict (from ``full_state_dict`` or an unsharded ``state_dict()``, saved on any
     number of ranks) into the shards. Every rank passes the whole state dict. Nothing is loaded unless
     every key and shape matches."""
-    current = module.state_dict(keep_vars=True)
+    with local_state_dict():
+        current = module.state_dict(keep_vars=True)
     _check_keys(list(current), state_dict, "state_dict")
     slots = _slots_by_param(module)
     for key, value in current.items():

@@ -6,59 +6,31 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
 
 import fsdp_compile
 from fsdp_compile.testing.dist import spawn_ranks
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
-
-
-def _trained(seed: int, steps: int) -> tuple[Llama, torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(seed)
-    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
-    compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    for step in range(steps):
-        _step(compiled, opt, step)
-    return model, compiled, opt
-
-
-def _step(compiled: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
-    gen = torch.Generator().manual_seed(100 + step + dist.get_rank())
-    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9), generator=gen)
-    compiled(tokens[:, :-1], tokens[:, 1:]).backward()
-    opt.step()
-    opt.zero_grad()
-
-
-def _assert_bitwise(got: dict, want: dict) -> None:
-    assert list(got) == list(want)
-    for key in want:
-        if isinstance(want[key], dict):
-            _assert_bitwise(got[key], want[key])
-        elif isinstance(want[key], torch.Tensor):
-            torch.testing.assert_close(got[key], want[key], rtol=0, atol=0, msg=key)
-        else:
-            assert got[key] == want[key], key
+from fsdp_compile.testing.llama import LLAMA_TINY
+from fsdp_compile.testing.reference import assert_bitwise
+from fsdp_compile.testing.train import train_step, trained
 
 
 def _round_trip(rank: int, world_size: int) -> None:
-    model, compiled, opt = _trained(seed=0, steps=2)
+    model, compiled, opt = trained(seed=0, steps=2)
     sd = fsdp_compile.full_state_dict(model)
     osd = fsdp_compile.full_optimizer_state_dict(model, opt)
     assert sd["output.weight"] is sd["tok_embeddings.weight"]  # tied, as nn.Module.state_dict gives them
     assert set(osd["state"]["layers.0.attention.wq.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
     assert osd["state"]["layers.0.attention.wq.weight"]["exp_avg"].shape == (LLAMA_TINY.dim, LLAMA_TINY.dim)
 
-    other, other_compiled, other_opt = _trained(seed=1, steps=1)  # different weights and optimizer state
+    other, other_compiled, other_opt = trained(seed=1, steps=1)  # different weights and optimizer state
     fsdp_compile.load_full_state_dict(other, sd)
     fsdp_compile.load_full_optimizer_state_dict(other, other_opt, osd)
-    _assert_bitwise(fsdp_compile.full_state_dict(other), sd)
-    _assert_bitwise(fsdp_compile.full_optimizer_state_dict(other, other_opt), osd)
+    assert_bitwise(fsdp_compile.full_state_dict(other), sd)
+    assert_bitwise(fsdp_compile.full_optimizer_state_dict(other, other_opt), osd)
     # Training goes on identically from the loaded state.
-    _step(compiled, opt, 7)
-    _step(other_compiled, other_opt, 7)
-    _assert_bitwise(fsdp_compile.full_state_dict(other), fsdp_compile.full_state_dict(model))
+    train_step(compiled, opt, 7)
+    train_step(other_compiled, other_opt, 7)
+    assert_bitwise(fsdp_compile.full_state_dict(other), fsdp_compile.full_state_dict(model))
 
     gathered_on_rank0 = fsdp_compile.full_state_dict(model, rank0_only=True, cpu_offload=True)
     assert (gathered_on_rank0 == {}) == (rank != 0)
@@ -73,7 +45,7 @@ def test_round_trip_is_bitwise() -> None:
 
 
 def _save(rank: int, world_size: int, path: str) -> None:
-    model, _, opt = _trained(seed=0, steps=2)
+    model, _, opt = trained(seed=0, steps=2)
     sd = fsdp_compile.full_state_dict(model, rank0_only=True, cpu_offload=True)
     osd = fsdp_compile.full_optimizer_state_dict(model, opt, rank0_only=True, cpu_offload=True)
     if rank == 0:
@@ -82,11 +54,11 @@ def _save(rank: int, world_size: int, path: str) -> None:
 
 def _load(rank: int, world_size: int, path: str) -> None:
     saved = torch.load(path, weights_only=True)
-    model, _, opt = _trained(seed=1, steps=1)
+    model, _, opt = trained(seed=1, steps=1)
     fsdp_compile.load_full_state_dict(model, saved["model"])
     fsdp_compile.load_full_optimizer_state_dict(model, opt, saved["optim"])
-    _assert_bitwise(fsdp_compile.full_state_dict(model), saved["model"])
-    _assert_bitwise(fsdp_compile.full_optimizer_state_dict(model, opt), saved["optim"])
+    assert_bitwise(fsdp_compile.full_state_dict(model), saved["model"])
+    assert_bitwise(fsdp_compile.full_optimizer_state_dict(model, opt), saved["optim"])
 
 
 def test_load_into_another_world_size(tmp_path: "os.PathLike[str]") -> None:
@@ -97,7 +69,7 @@ def test_load_into_another_world_size(tmp_path: "os.PathLike[str]") -> None:
 
 
 def _bad_loads(rank: int, world_size: int) -> None:
-    model, _, opt = _trained(seed=0, steps=1)
+    model, _, opt = trained(seed=0, steps=1)
     sd = fsdp_compile.full_state_dict(model)
     before = fsdp_compile.full_state_dict(model)
     with pytest.raises(KeyError, match="missing keys \\['norm.weight'\\]"):
@@ -106,7 +78,7 @@ def _bad_loads(rank: int, world_size: int) -> None:
     with pytest.raises(ValueError, match="layers.1.attention.wq.weight.*shape \\(3, 3\\)"):
         fsdp_compile.load_full_state_dict(model, {k: v + 1 if k == "norm.weight" else w for k, v, w in
                                                   ((k, sd[k], wrong[k]) for k in sd)})
-    _assert_bitwise(fsdp_compile.full_state_dict(model), before)  # nothing half-loaded
+    assert_bitwise(fsdp_compile.full_state_dict(model), before)  # nothing half-loaded
 
 
 def test_bad_state_dicts_are_refused_and_nothing_is_loaded() -> None:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
 from torch import nn
 
 from fsdp_compile._unit import sharded_units
 
-__all__ = ["full_grads", "reference_step", "rel_error"]
+__all__ = ["assert_bitwise", "full_grads", "reference_step", "rel_error"]
 
 
 def rel_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -50,3 +51,15 @@ def full_grads(module: nn.Module) -> dict[str, torch.Tensor]:
         for slot, grad in zip(state.layout.slots, state.all_gather_pieces_nograd(lambda piece: piece.grad, state.flat)):
             grads[slot.names[0]] = grad
     return grads
+
+
+def assert_bitwise(got: Any, want: Any, where: str = "") -> None:
+    """``got`` equals ``want`` bit for bit: nested dicts (same keys, same order), tensors, other values."""
+    if isinstance(want, dict):
+        assert list(got) == list(want), where
+        for key in want:
+            assert_bitwise(got[key], want[key], f"{where}/{key}")
+    elif isinstance(want, torch.Tensor):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, msg=where)
+    else:
+        assert got == want, where

@@ -1,0 +1,32 @@
+"""A tiny sharded Llama trained a few steps (compiled with aot_eager), for state-dict and checkpoint tests."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import fsdp_compile
+from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+
+__all__ = ["train_step", "trained"]
+
+
+def trained(seed: int, steps: int) -> tuple[Llama, torch.nn.Module, torch.optim.Optimizer]:
+    """A tiny Llama (every Block a unit) with weights from ``seed``, sharded, compiled, and trained ``steps``
+    steps with AdamW: (model, compiled model, optimizer)."""
+    torch.manual_seed(seed)
+    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        train_step(compiled, opt, step)
+    return model, compiled, opt
+
+
+def train_step(compiled: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    """One step on this rank's batch, which depends on ``step`` and the rank only."""
+    gen = torch.Generator().manual_seed(100 + step + dist.get_rank())
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9), generator=gen)
+    compiled(tokens[:, :-1], tokens[:, 1:]).backward()
+    opt.step()
+    opt.zero_grad()
