@@ -6,6 +6,7 @@
 
 from fsdp_compile._backend import backend
 from fsdp_compile._clip_grad_norm import clip_grad_norm_
+from fsdp_compile._describe import ShardingSummary, describe, sync_buffers
 from fsdp_compile._shard import set_requires_gradient_sync, shard
 from fsdp_compile._sharded_state_dict import load_sharded_optimizer_state_dict, sharded_optimizer_state_dict
 from fsdp_compile._state_dict import (
@@ -20,8 +21,10 @@ from fsdp_compile.config import BackendConfig, MixedPrecision
 __all__ = [
     "BackendConfig",
     "MixedPrecision",
+    "ShardingSummary",
     "backend",
     "clip_grad_norm_",
+    "describe",
     "full_optimizer_state_dict",
     "full_state_dict",
     "load_full_optimizer_state_dict",
@@ -31,4 +34,5 @@ __all__ = [
     "shard",
     "sharded_optimizer_state_dict",
     "sharded_units",
+    "sync_buffers",
 ]

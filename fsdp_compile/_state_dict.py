@@ -33,7 +33,9 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
 
     Keys and order are those of ``module.state_dict()`` before sharding; both names of a tied weight map
     to the same tensor, as ``nn.Module.state_dict`` gives them. ``rank0_only``: other ranks return ``{}``.
-    ``cpu_offload``: the tensors are copied to CPU memory, one unit at a time.
+    ``cpu_offload``: the tensors are copied to CPU memory, one unit at a time. Buffers are not sharded: each
+    rank returns its own (with ``rank0_only``, rank 0's); call ``fsdp_compile.sync_buffers`` first where
+    they can differ across ranks (BatchNorm's running statistics).
     """
     keep = not rank0_only or torch.distributed.get_rank() == 0
     full: dict[int, torch.Tensor] = {}

@@ -1,0 +1,98 @@
+"""What a sharded module is made of: its units, their sizes and settings, and the full parameter count
+(``sum(p.numel() for p in model.parameters())`` counts only this rank's shard); and keeping buffers, which
+are not sharded, in sync across ranks."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_compile._unit import sharded_units
+
+__all__ = ["ShardingSummary", "UnitSummary", "describe", "sync_buffers"]
+
+
+@dataclass(frozen=True)
+class UnitSummary:
+    fqn: str
+    num_parameters: int
+    """Elements of the unit's parameters (each tied weight once)."""
+    padded_numel: int
+    shard_numel: int
+    """Elements each rank holds (padding included)."""
+    param_dtype: str
+    reduce_dtype: str
+    grad_reduction: str
+    reshard_after_forward: bool
+
+
+@dataclass(frozen=True)
+class ShardingSummary:
+    world_size: int
+    num_parameters: int
+    """Elements of the whole model's parameters, as the unsharded model counts them."""
+    num_local_parameters: int
+    """Elements of this rank's pieces (what ``sum(p.numel() for p in model.parameters())`` gives)."""
+    units: tuple[UnitSummary, ...]
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    def __str__(self) -> str:
+        lines = [
+            f"{len(self.units)} units over {self.world_size} ranks: {self.num_parameters:,} parameters "
+            f"({self.num_local_parameters:,} on this rank)",
+            "| unit | parameters | per rank | param dtype | reduce dtype | gradient reduction | reshard |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {u.fqn or '<root>'} | {u.num_parameters:,} | {u.shard_numel:,} | {u.param_dtype} | {u.reduce_dtype} | "
+            f"{u.grad_reduction} | {u.reshard_after_forward} |"
+            for u in self.units
+        ]
+        return "\n".join(lines)
+
+
+def describe(module: nn.Module) -> ShardingSummary:
+    """The units of a module ``shard()`` has sharded, with their sizes, and the full parameter count."""
+    units = sharded_units(module)
+    summaries = tuple(
+        UnitSummary(
+            fqn=u.layout.fqn,
+            num_parameters=sum(slot.numel for slot in u.layout.slots),
+            padded_numel=u.layout.padded_numel,
+            shard_numel=u.layout.shard_numel,
+            param_dtype=str(u.param_dtype),
+            reduce_dtype=str(u.reduce_dtype),
+            grad_reduction=u.grad_reduction,
+            reshard_after_forward=u.reshard_after_forward,
+        )
+        for u in units
+    )
+    return ShardingSummary(
+        world_size=units[0].world_size,
+        num_parameters=sum(s.num_parameters for s in summaries),
+        num_local_parameters=sum(p.numel() for p in module.parameters()),
+        units=summaries,
+    )
+
+
+@torch.no_grad()
+def sync_buffers(module: nn.Module, *, average: bool = False) -> None:
+    """Make the module's buffers (not sharded: each rank keeps its own, as with FSDP2, e.g. BatchNorm's
+    running statistics) equal on every rank of the units' group: rank 0's values (``average=False``, as DDP
+    broadcasts them), or, for floating-point buffers, their mean over the ranks (``average=True``; other
+    buffers: rank 0's). A collective: call it on every rank, e.g. before evaluation or a checkpoint."""
+    group = sharded_units(module)[0].group
+    if dist.get_world_size(group) == 1:
+        return
+    for buffer in module.buffers():
+        if average and buffer.is_floating_point():
+            dist.all_reduce(buffer, group=group)
+            buffer.div_(dist.get_world_size(group))
+        else:
+            dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
