@@ -130,8 +130,13 @@ def _to_sharded(module: nn.Module, state_dict: dict[str, Any], prefix: str, loca
             state_dict[key] = _sharded(unit, slot, state_dict[key])
 
 
-def _from_sharded(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+def _from_sharded(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, *args: Any) -> None:
     """Load-state-dict pre-hook of the sharded root: ShardedTensors or full tensors -> this rank's pieces."""
+    if local_metadata.get("assign_to_params_buffers"):
+        raise ValueError(
+            "load_state_dict(..., assign=True) would replace the sharded pieces by new tensors, cut off from the "
+            "flat shards the model reads: load with assign=False (the default)"
+        )
     for key, (unit, slot) in _slots_by_name(module, prefix).items():
         if key in state_dict:
             state_dict[key] = _local(unit, slot, key, state_dict[key])

@@ -72,6 +72,8 @@ def _load_unsharded_state_dict(rank: int, world_size: int) -> None:
     model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
     model.load_state_dict(plain.state_dict())
     assert_bitwise(fsdp_compile.full_state_dict(model), plain.state_dict())
+    with pytest.raises(ValueError, match=r"assign=True\) would replace the sharded pieces"):
+        model.load_state_dict(plain.state_dict(), assign=True)
     wrong = {**plain.state_dict(), "norm.weight": torch.ones(3)}
     with pytest.raises(ValueError, match=r"state_dict\['norm.weight'\] has shape \(3,\), the parameter's is \(32,\)"):
         model.load_state_dict(wrong)
