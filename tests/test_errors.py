@@ -29,13 +29,20 @@ def _snapshot(model: nn.Module) -> list[tuple]:
     ]
 
 
+def _values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and buffer by name (a sharded model's: this rank's pieces)."""
+    return {k: v.detach().clone() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+
+
 def _expect_unchanged(model: nn.Module, exc: type[Exception], match: str, **kwargs: object) -> None:
     before = _snapshot(model)
-    values = {k: v.clone() for k, v in model.state_dict().items()}
+    values = _values(model)
     with pytest.raises(exc, match=match):
         fsdp_compile.shard(model, **kwargs)  # type: ignore[arg-type]
     assert _snapshot(model) == before
-    for k, v in model.state_dict().items():
+    after = _values(model)
+    assert list(after) == list(values)
+    for k, v in after.items():
         torch.testing.assert_close(v, values[k], rtol=0, atol=0)
 
 
