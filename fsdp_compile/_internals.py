@@ -131,12 +131,12 @@ def is_sharded_tensor(value: object) -> bool:
 
 
 def sharded_tensor(
-    shards: list[Any], metadata: list[Any], shape: tuple[int, ...], like: torch.Tensor, group: Any
+    shards: list[Any], metadata: list[Any], shape: tuple[int, ...], dtype: torch.dtype, group: Any
 ) -> Any:
     """A ShardedTensor of ``shape`` from this rank's ``shards`` and every rank's shard ``metadata`` (no
     collective: every rank knows the whole layout)."""
     global_metadata = _ShardedTensorMetadata(
-        shards_metadata=metadata, size=torch.Size(shape), tensor_properties=_TensorProperties(dtype=like.dtype)
+        shards_metadata=metadata, size=torch.Size(shape), tensor_properties=_TensorProperties(dtype=dtype)
     )
     return _ShardedTensor._init_from_local_shards_and_global_metadata(shards, global_metadata, process_group=group)
 

@@ -44,6 +44,12 @@ class UnitLayout:
         hi = min(max(slot.offset + slot.numel - start, 0), self.shard_numel)
         return lo, max(lo, hi)
 
+    def flat_range(self, slot: ParamSlot, rank: int) -> tuple[int, int]:
+        """The same part as ``[start, stop)`` offsets into the flattened parameter."""
+        lo, hi = self.local_range(slot, rank)
+        start = rank * self.shard_numel - slot.offset
+        return start + lo, start + hi
+
 
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple

@@ -57,7 +57,7 @@ def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
         return [((), ())]
     inner = math.prod(shape[1:])
     rest = (0,) * (len(shape) - 1)
-    first, end = divmod(start, inner)[0], -(-stop // inner)  # rows touched: [first, end)
+    first, end = start // inner, -(-stop // inner)  # rows touched: [first, end)
     if start % inner == 0 and stop % inner == 0:
         return [((first, *rest), (end - first, *shape[1:]))]
     if end - first == 1:
@@ -74,20 +74,13 @@ def boxes(shape: tuple[int, ...], start: int, stop: int) -> list[Box]:
     return out
 
 
-def _flat_range(unit: UnitState, slot: ParamSlot, rank: int) -> tuple[int, int]:
-    """The elements of the flattened parameter ``slot`` that ``rank`` of the unit's group holds."""
-    lo, hi = unit.layout.local_range(slot, rank)
-    start = rank * unit.layout.shard_numel - slot.offset
-    return start + lo, start + hi
-
-
 def _sharded(unit: UnitState, slot: ParamSlot, local: torch.Tensor) -> Any:
     """A ShardedTensor of ``slot``'s shape whose local shards are views of ``local`` (this rank's piece)."""
     if not slot.shape:
         raise NotImplementedError(f"sharded state dicts of 0-dimensional parameters ({slot.names[0]}): use full_state_dict")
     metadata, shards = [], []
     for rank in range(unit.world_size):
-        start, stop = _flat_range(unit, slot, rank)
+        start, stop = unit.layout.flat_range(slot, rank)
         placement = f"rank:{dist.get_global_rank(unit.group, rank)}/{local.device}"
         offset = 0
         for offsets, sizes in boxes(slot.shape, start, stop):
@@ -97,13 +90,13 @@ def _sharded(unit: UnitState, slot: ParamSlot, local: torch.Tensor) -> Any:
                 numel = math.prod(sizes)
                 shards.append(_internals.Shard(local[offset : offset + numel].view(sizes), meta))
                 offset += numel
-    return _internals.sharded_tensor(shards, metadata, slot.shape, local, unit.group)
+    return _internals.sharded_tensor(shards, metadata, slot.shape, local.dtype, unit.group)
 
 
 def _local(unit: UnitState, slot: ParamSlot, key: str, value: Any) -> torch.Tensor:
     """This rank's piece of ``value``: a ShardedTensor laid out as this model is, or a full tensor."""
     if _internals.is_sharded_tensor(value):
-        start, stop = _flat_range(unit, slot, unit.rank)
+        start, stop = unit.layout.flat_range(slot, unit.rank)
         got = [(tuple(s.metadata.shard_offsets), tuple(s.metadata.shard_sizes)) for s in value.local_shards()]
         if got != boxes(slot.shape, start, stop):
             raise ValueError(
@@ -150,8 +143,8 @@ def install_state_dict_hooks(module: nn.Module) -> None:
 
 def _per_element(unit: UnitState, slot: ParamSlot, value: Any) -> bool:
     """An optimizer state shaped like the parameter's piece (exp_avg, ...), not a scalar (step)."""
-    lo, hi = unit.layout.local_range(slot, unit.rank)
-    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == hi - lo
+    start, stop = unit.layout.flat_range(slot, unit.rank)
+    return isinstance(value, torch.Tensor) and value.dim() == 1 and value.numel() == stop - start
 
 
 def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

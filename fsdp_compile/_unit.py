@@ -126,9 +126,8 @@ class UnitState:
 
     def local_part(self, slot: ParamSlot, full: torch.Tensor) -> torch.Tensor:
         """This rank's piece of a full parameter-shaped tensor ``full`` (a 1-D view)."""
-        lo, hi = self.layout.local_range(slot, self.rank)
-        start = self.rank * self.layout.shard_numel - slot.offset
-        return full.reshape(-1)[start + lo : start + hi]
+        start, stop = self.layout.flat_range(slot, self.rank)
+        return full.reshape(-1)[start:stop]
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
         self.requires_gradient_sync = requires

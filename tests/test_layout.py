@@ -27,3 +27,6 @@ def test_layout_is_aligned_disjoint_and_split_exactly(shapes: list[tuple[int, ..
             assert 0 <= lo <= hi <= layout.shard_numel
             held.extend(range(rank * layout.shard_numel + lo, rank * layout.shard_numel + hi))
         assert held == list(range(slot.offset, slot.offset + slot.numel))
+        # The same parts as ranges of the flattened parameter: consecutive, covering it exactly.
+        flat = [layout.flat_range(slot, rank) for rank in range(world_size)]
+        assert [i for start, stop in flat for i in range(start, stop)] == list(range(slot.numel))
