@@ -6,9 +6,9 @@ matmuls running beside it (the SMs NCCL takes). Optionally with SMs reserved for
 
 Collectives: all-gather bf16 (forward/backward), reduce-scatter fp32 (FSDP2's gradient reduction with an
 fp32 reduce dtype) and all-to-all bf16 (the same reduction done as an exchange of bf16 gradients followed
-by a local fp32 sum); where torch has them, all-gathers by copy engine (peer memcpy from symmetric memory,
-``torch.ops.symm_mem._low_contention_all_gather``), from a symmetric input and from a plain one (copied
-into the group's symmetric workspace first).
+by a local fp32 sum); all-gathers by copy engine: fsdp_compile's own op
+(``fsdp_compile::all_gather_copy_engine``, what ``backend(all_gather="copy_engine")`` runs) and, for
+reference, torch's ``_low_contention_all_gather`` from a symmetric input and from a plain one.
 """
 
 from __future__ import annotations
@@ -61,26 +61,27 @@ def _beside(matmul: Callable[[], object], count: int, collective: Callable[[], o
 
 
 def _copy_engine_all_gathers(shard: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """Copy-engine all-gathers of ``shard`` (empty where this torch lacks them)."""
+    """Copy-engine all-gathers of ``shard``: fsdp_compile's own op (what ``all_gather="copy_engine"`` lowers
+    to) and, for reference, torch's ``_low_contention_all_gather`` from a symmetric input and from a plain
+    one (empty where this torch lacks them)."""
+    from fsdp_compile.lowering.lower_to_symm_mem import all_gather_copy_engine, reserve_workspace
+
+    group, world = dist.group.WORLD.group_name, dist.get_world_size()
+    reserve_workspace(group, shard.nbytes)
+    wait = torch.ops._c10d_functional.wait_tensor
+    ours = {"all-gather bf16, fsdp_compile copy engine": lambda: wait(all_gather_copy_engine(shard, world, group, shard.nbytes))}
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
         gather = torch.ops.symm_mem._low_contention_all_gather
     except (ImportError, AttributeError):
-        return {}
-    group = dist.group.WORLD.group_name
-    if hasattr(symm_mem, "enable_symm_mem_for_group"):
-        symm_mem.enable_symm_mem_for_group(group)
+        return ours
     symmetric = symm_mem.empty(shard.shape, dtype=shard.dtype, device=shard.device).copy_(shard)
     symm_mem.rendezvous(symmetric, group)
-    symm_mem.get_symm_mem_workspace(group, shard.numel() * shard.element_size())
-
-    def run(t: torch.Tensor) -> None:
-        torch.ops._c10d_functional.wait_tensor(gather(t, group))
-
     return {
-        "all-gather bf16, copy engine": lambda: run(symmetric),
-        "all-gather bf16, copy engine, workspace": lambda: run(shard),
+        **ours,
+        "all-gather bf16, torch copy engine (reference)": lambda: wait(gather(symmetric, group)),
+        "all-gather bf16, torch copy engine via workspace (reference)": lambda: wait(gather(shard, group)),
     }
 
 

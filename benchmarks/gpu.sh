@@ -1,17 +1,22 @@
 #!/usr/bin/env bash
-# Every GPU test and benchmark (2 GPUs). Logs and JSON under $OUT; a short table last. Everything at once
-# takes longer than one 10-minute device call (the GPU tests several minutes, each system ~45 s a sweep point):
-# split it, e.g. BENCH=0 (tests) then TESTS=0 with a SYSTEMS subset. Measured split (2x H100):
+# Every GPU test and benchmark. Logs and JSON under $OUT; a short table last; exits non-zero when a GPU test,
+# the contention benchmark or the training benchmark (its loss or gradient guard included) fails.
+# Everything at once takes longer than one 10-minute device call (the GPU tests ~4 minutes, each system
+# ~30-45 s per run and point): split it. Measured split (2x H100):
 #   OUT=/tmp/out BENCH=0 bash benchmarks/gpu.sh                 # the GPU tests (TEST_TIMEOUT, default 540 s)
-#   OUT=/tmp/out TESTS=0 SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile_copy_engine fsdp_compile_copy_engine_cudagraphs" bash benchmarks/gpu.sh
-#   OUT=/tmp/out bash benchmarks/gpu.sh                         # GPU tests + every system at 1024 and 4096 tokens/GPU
-#   OUT=/tmp/out TESTS=0 TOKENS="2048 8192" bash benchmarks/gpu.sh   # more sweep points only
-#   SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile" bash benchmarks/gpu.sh    # a subset of the systems
-#   OUT=/tmp/out BENCH=0 CONTENTION=1 bash benchmarks/gpu.sh      # GPU tests + gemm_contention.py, no benchmark
+#   OUT=/tmp/out TESTS=0 TOKENS=4096 REPEATS=3 bash benchmarks/gpu.sh   # a headline: 3 runs, the default systems
+#   OUT=/tmp/out TESTS=0 SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile_copy_engine" bash benchmarks/gpu.sh
+#   OUT=/tmp/out BENCH=0 TESTS=0 CONTENTION=1 bash benchmarks/gpu.sh   # gemm_contention.py only
+#   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=1024 REPEATS=3 bash benchmarks/gpu.sh   # 4 GPUs
+# SYSTEMS defaults to the headline's: the no-communication bound, FSDP2 eager, FSDP2 + compile, fsdp_compile.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fsdp_compile_gpu}
 TOKENS=${TOKENS:-1024 4096}
+NPROC=${NPROC:-2}
+REPEATS=${REPEATS:-1}
+SYSTEMS=${SYSTEMS:-no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile}
+status=0
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
 # An install, not PYTHONPATH: passes/ and lowering/ are top-level folders that only an install maps into the
@@ -23,19 +28,22 @@ python3 -m pip install --no-deps --no-build-isolation -q -e . >"$OUT/install.log
   "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"; } | tee "$OUT/env.log"
 
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -s -m gpu -p no:cacheprovider tests >"$OUT/pytest_gpu.log" 2>&1 \
-    || echo "GPU tests exit $? (124: killed at TEST_TIMEOUT)"
+  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests >"$OUT/pytest_gpu.log" 2>&1
+  rc=$?; [ $rc = 0 ] || { echo "GPU tests exit $rc (124: killed at TEST_TIMEOUT)"; status=1; }
 fi
 if [ "${CONTENTION:-0}" = 1 ]; then
-  timeout 120 torchrun --nproc_per_node 2 benchmarks/gemm_contention.py >"$OUT/contention.log" 2>&1
+  timeout 300 torchrun --nproc_per_node "$NPROC" benchmarks/gemm_contention.py >"$OUT/contention_$NPROC.log" 2>&1
+  rc=$?; [ $rc = 0 ] || { echo "gemm_contention exit $rc"; status=1; }
 fi
-tag=$(echo "$TOKENS" | tr ' ' '_')
+tag=${NPROC}gpu_$(echo "$TOKENS" | tr ' ' '_')
 if [ "${BENCH:-1}" = 1 ]; then
-  torchrun --nproc_per_node 2 benchmarks/train_bench.py --tokens $TOKENS ${SYSTEMS:+--systems $SYSTEMS} --out "$OUT/bench_$tag.json" \
-    >"$OUT/bench_$tag.log" 2>&1; echo "train_bench exit $?"
+  torchrun --nproc_per_node "$NPROC" benchmarks/train_bench.py --tokens $TOKENS --repeats "$REPEATS" --systems $SYSTEMS \
+    --out "$OUT/bench_$tag.json" >"$OUT/bench_$tag.log" 2>&1
+  rc=$?; [ $rc = 0 ] || { echo "train_bench exit $rc (1: a guard failed, see the log)"; status=1; }
 fi
 
 echo "== summary =="
-[ -f "$OUT/pytest_gpu.log" ] && grep -E "^overlap o|passed|failed|skipped|rror" "$OUT/pytest_gpu.log" | tail -n 8
-[ -f "$OUT/contention.log" ] && grep -E "alone|^\| |rror" "$OUT/contention.log" | tail -n 40
-[ -f "$OUT/bench_$tag.log" ] && { grep -E "^\||^## |^loss guard|^[0-9]+ tokens/GPU" "$OUT/bench_$tag.log" || tail -n 60 "$OUT/bench_$tag.log"; }
+[ -f "$OUT/pytest_gpu.log" ] && grep -E "^overlap o|passed|failed|skipped|SKIPPED|rror" "$OUT/pytest_gpu.log" | tail -n 8
+[ -f "$OUT/contention_$NPROC.log" ] && grep -E "alone|^\| |rror" "$OUT/contention_$NPROC.log" | tail -n 60
+[ -f "$OUT/bench_$tag.log" ] && { grep -E "^\||^## |guard|^[0-9]+ tokens/GPU|^step ms" "$OUT/bench_$tag.log" || tail -n 60 "$OUT/bench_$tag.log"; }
+exit $status

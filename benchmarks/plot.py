@@ -1,4 +1,6 @@
-"""Plots from train_bench.py's JSON files: step time vs tokens per GPU, and peak memory bars.
+"""Plots from train_bench.py's JSON files: step time vs tokens per GPU (median over the runs, the range as
+error bars), and peak memory bars (CUDA-graph systems hatched: ``max_memory_allocated`` leaves out their
+graphs' pool, so those bars are not comparable; the JSON's ``reserved_gib`` counts it).
 
     python benchmarks/plot.py benchmarks/results/bench_*.json --out benchmarks/results
 """
@@ -8,11 +10,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from report import Result, points
 
 
 def main() -> None:
@@ -20,33 +26,39 @@ def main() -> None:
     parser.add_argument("json", nargs="+", help="train_bench.py --out files (points are merged)")
     parser.add_argument("--out", default=".", help="folder for step_time.png and memory.png")
     args = parser.parse_args()
-    rows, meta = [], {}
+    results, meta = [], {}
     for path in args.json:
         with open(path) as f:
             data = json.load(f)
         meta = data["meta"]
-        rows += data["results"]
-    systems = list(dict.fromkeys(r["system"] for r in rows))
+        results += [Result(**{"repeat": 0, **r}) for r in data["results"]]
+    sweep = points(results)
+    systems = list(dict.fromkeys(row.system for point in sweep for row in point.rows))
     title = f"{meta['model']} Llama, {meta['world_size']}x {meta['card']}, torch {meta['torch']}"
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for system in systems:
-        points = sorted((r["tokens_per_gpu"], r["median_step_ms"]) for r in rows if r["system"] == system)
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=system)
-    ax.set(xscale="log", yscale="log", xlabel="tokens per GPU", ylabel="median step time (ms)", title=title)
-    ax.legend()
+        rows = [(p.tokens_per_gpu, row) for p in sweep for row in p.rows if row.system == system]
+        x = [t for t, _ in rows]
+        y = [row.step_ms for _, row in rows]
+        err = [[row.step_ms - row.step_range[0] for _, row in rows], [row.step_range[1] - row.step_ms for _, row in rows]]
+        ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=system)
+    ax.set(xscale="log", yscale="log", xlabel="tokens per GPU", ylabel="step time (ms, median over runs)", title=title)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "step_time.png"), dpi=120)
 
-    points = sorted({r["tokens_per_gpu"] for r in rows})
     fig, ax = plt.subplots(figsize=(7, 4.5))
     width = 0.8 / len(systems)
     for i, system in enumerate(systems):
-        peaks = {r["tokens_per_gpu"]: r["peak_gib"] or 0.0 for r in rows if r["system"] == system}
-        ax.bar([j + i * width for j in range(len(points))], [peaks.get(p, 0.0) for p in points], width, label=system)
-    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(points))], [str(p) for p in points])
+        rows = {p.tokens_per_gpu: row for p in sweep for row in p.rows if row.system == system}
+        comparable = all(r.peak_comparable for row in rows.values() for r in row.runs)
+        label = system if comparable else f"{system} (CUDA graphs: pool not counted, not comparable)"
+        peaks = [(rows[p.tokens_per_gpu].median("peak_gib") or 0.0) if p.tokens_per_gpu in rows else 0.0 for p in sweep]
+        ax.bar([j + i * width for j in range(len(sweep))], peaks, width, label=label, hatch=None if comparable else "//")
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(sweep))], [str(p.tokens_per_gpu) for p in sweep])
     ax.set(xlabel="tokens per GPU", ylabel="peak memory (GiB, max_memory_allocated)", title=title)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(os.path.join(args.out, "memory.png"), dpi=120)
 

@@ -11,8 +11,8 @@ projection, which backward needs first, is not resharded after forward):
 - ``no_comm_bound``: the same per-GPU work with no collective: each rank trains the whole model on its
   own micro-batch (fsdp_compile over a group of one rank: bf16 casts, fp32 main weights, full optimizer
   step). Its loss differs from the others after step 0 (no gradient averaging), so the loss guard checks
-  its step 0 only. ``no_comm_bound_cudagraphs``: the same with CUDA graphs (the bound for
-  ``fsdp_compile_cudagraphs``).
+  its step 0 only, and its gradients are not compared. ``no_comm_bound_cudagraphs``: the same with CUDA
+  graphs (the bound for ``fsdp_compile_cudagraphs``).
 - ``fsdp2_eager``: ``fully_shard`` per unit and on the root.
 - ``fsdp2_compile``: each block ``torch.compile``d, then ``fully_shard`` (torchtitan's order).
 - ``simplefsdp``: written from SimpleFSDP's description: parameters as DTensor ``Shard(0)``, a
@@ -22,20 +22,28 @@ projection, which backward needs first, is not resharded after forward):
 - ``fsdp_compile`` and its variants (``FSDP_COMPILE_VARIANTS``: one line each), among them
   ``fsdp_compile_cudagraphs`` (``backend(cudagraphs=True)``: no launch overhead) and
   ``fsdp_compile_copy_engine`` (``backend(all_gather="copy_engine")``: all-gathers off the SMs; GPU only).
-  Systems with CUDA graphs report a low peak memory: ``max_memory_allocated`` does not see tensors inside
-  the graphs' pool.
 
-Per point of the sweep (tokens per GPU = batch x seq; seq up to 2048): median step time over the steps after
---warmup, tokens/s/GPU, MFU (6 x matmul params + 12 x layers x dim x seq FLOPs per token, over the card's
-dense bf16 peak), peak memory (``torch.cuda.max_memory_allocated`` over the measured steps, less what the
-previous system left allocated: none, unless ``leftover_after_gib`` in the JSON says otherwise), host time
-to enqueue a step (close to the step time: launch-bound), from a profiler trace of --profile-steps more
-steps (``trace_steps``: after a barrier and one untraced warm-up step): communication (time NCCL kernels
-or peer-to-peer copies run), exposed communication (of that, the time no other kernel runs), compute
-(other kernels and copies) and GPU idle time; compile time (first step minus the median). ``--trace-dir``
-keeps each trace (``benchmarks/trace_summary.py`` reads them). Prints markdown tables of ratios vs FSDP2
-eager and vs the bound, a loss-agreement guard, and writes JSON (``--out``); ``benchmarks/plot.py`` turns
-the JSON into plots.
+Per point of the sweep (tokens per GPU = batch x seq; seq up to 2048), each system run --repeats times,
+interleaved (report.py aggregates: medians over the runs, and the range of the step time): median step
+time over the steps after --warmup; its ratio to the **tight bound** (the headline: the bound's local
+forward+backward plus an optimizer step over 1/world of the parameters, both timed in the bound's run),
+to the **loose bound** (``no_comm_bound``'s whole step, with the full optimizer a sharded system never runs)
+and to FSDP2 eager; forward+backward and optimizer times from --split-steps more steps synchronized
+between the two; tokens/s/GPU; MFU (6 x matmul params + 12 x layers x dim x seq FLOPs per token, over the
+card's dense bf16 peak); peak memory (``torch.cuda.max_memory_allocated`` over the measured steps, less
+what the previous system left allocated: none, unless ``leftover_after_gib`` in the JSON says otherwise;
+marked not comparable under CUDA graphs, whose pool it leaves out) and ``max_memory_reserved`` (which
+counts it); host time to enqueue a step (close to the step time: launch-bound); from a profiler trace of
+--profile-steps more steps (``trace_steps``: after a barrier and one untraced warm-up step):
+communication (time NCCL kernels or peer-to-peer copies run), exposed communication (of that, the time no
+other kernel runs), compute (other kernels and copies), GPU idle time, and the compute slowdown
+((forward+backward - exposed communication) / the bound's forward+backward); compile time (first step
+minus the median). ``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them).
+
+Two guards, run after every sweep, each failing the run (exit 1): the losses of every step agree with
+FSDP2 eager's, and every parameter's gradient norm after step 0 agrees with FSDP2's (``report.py``: the
+loss alone cannot see a missing average). Writes JSON (``--out``, every run kept); ``benchmarks/plot.py``
+turns it into plots.
 """
 
 from __future__ import annotations
@@ -47,13 +55,14 @@ import gc
 import gzip
 import json
 import os
+import re
 import shutil
 import statistics
 import tempfile
 import time
 import weakref
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
@@ -62,17 +71,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 from torch.nn.utils import parametrize
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 import fsdp_compile
 from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_TINY, Llama, LlamaConfig
 from fsdp_compile.testing.profile import communication_overlap, trace_steps
 
+from report import BOUNDS, GRAD_RTOL, LOSS_RTOL, Result, check_gradients, check_losses, table  # benchmarks/
+
 MODELS = {"0.95b": LLAMA_0_95B, "tiny": LLAMA_TINY, "tiny-untied": dataclasses.replace(LLAMA_TINY, tie_embeddings=False)}
 PARAM_DTYPE, REDUCE_DTYPE = torch.bfloat16, torch.float32
-LOSS_RTOL = 2e-2  # bf16 compute: the systems' losses agree to ~1e-3; 2e-2 flags a real bug
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}  # dense, per GPU
 
 FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
@@ -87,6 +107,8 @@ FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 bf16/fp32). Add one line per new variant."""
 GPU_ONLY = {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items() if options.get("all_gather") == "copy_engine"}
 """Left out of the default systems on CPU (copy-engine all-gathers need GPUs)."""
+CUDA_GRAPHS = {"no_comm_bound_cudagraphs"} | {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items() if options.get("cudagraphs")}
+"""Systems whose peak ``max_memory_allocated`` leaves out the CUDA graphs' memory pool (not comparable)."""
 
 
 @dataclass
@@ -214,27 +236,6 @@ SYSTEMS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
 }
 
 
-@dataclass
-class Result:
-    system: str
-    tokens_per_gpu: int
-    batch: int
-    seq: int
-    losses: list[float]
-    step_ms: list[float]
-    median_step_ms: float = 0.0
-    compile_s: float = 0.0
-    peak_gib: float | None = None
-    exposed_comm_ms: float | None = None
-    comm_ms: float | None = None
-    compute_ms: float | None = None
-    idle_ms: float | None = None
-    cpu_ms: float | None = None
-    tokens_per_s_per_gpu: float = 0.0
-    mfu: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -261,21 +262,71 @@ def _release(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namespace, device: torch.device) -> Result:
+def _grad_norms(model: nn.Module) -> dict[str, float]:
+    """Parameter name, as in the unsharded model -> the norm of its full gradient. Every system holds each
+    gradient element on exactly one rank (fsdp_compile's pieces, FSDP2's and SimpleFSDP's ``Shard(0)``
+    DTensors), so the squares of the local parts sum over ranks to the full gradient's. For one rank's
+    model (the bounds) the sum is over unrelated gradients: not compared."""
+    names, squares = [], []
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if grad is None:
+            continue
+        if isinstance(grad, DTensor):
+            assert all(p.is_shard() for p in grad.placements), (name, grad.placements)
+            grad = grad.to_local()
+        names.append(re.sub(r"parametrizations\.(\w+)\.original", r"\1", name.replace("_orig_mod.", "")))
+        squares.append(grad.detach().float().pow(2).sum())
+    total = torch.stack(squares)
+    dist.all_reduce(total)
+    return dict(zip(names, total.sqrt().tolist()))
+
+
+def _sharded_optimizer_ms(params: list[nn.Parameter], reps: int, device: torch.device) -> float:
+    """Median time of the benchmark's AdamW over 1/world of every parameter (zero gradients): the optimizer
+    step of a sharded system, without its sharding."""
+    world = dist.get_world_size()
+    shards = [torch.zeros(-(-p.numel() // world), device=device, requires_grad=True) for p in params]
+    for shard in shards:
+        shard.grad = torch.zeros_like(shard)
+    opt = _optimizer(shards, device)
+    times = []
+    for _ in range(reps + 1):
+        _sync(device)
+        start = time.perf_counter()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        _sync(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[1:])
+
+
+def _optimizer(params: list[torch.Tensor], device: torch.device) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
+
+
+def run(name: str, cfg: LlamaConfig, batch: int, seq: int, repeat: int, args: argparse.Namespace,
+        device: torch.device) -> Result:
     resident = _release(device)
     torch.manual_seed(0)
     with device:
         model = Llama(cfg)
     model_ref = weakref.ref(model)
     prepared = SYSTEMS[name](model, device)
-    opt = torch.optim.AdamW(prepared.params, lr=3e-4, weight_decay=0.1, fused=device.type == "cuda")
-    result = Result(system=name, tokens_per_gpu=batch * seq, batch=batch, seq=seq, losses=[], step_ms=[])
-    enqueue_ms = []
+    opt = _optimizer(prepared.params, device)
+    result = Result(system=name, tokens_per_gpu=batch * seq, batch=batch, seq=seq, repeat=repeat, losses=[], step_ms=[])
+    enqueue_ms, split_ms = [], []
 
-    def step(i: int) -> torch.Tensor:
+    def forward_backward(i: int) -> torch.Tensor:
         tokens = _batch(cfg, batch, seq, i, device)
         loss = prepared.module(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
+        return loss.detach().clone()  # a CUDA graph's next replay overwrites its outputs
+
+    def step(i: int) -> torch.Tensor:
+        loss = forward_backward(i)
+        if i == 0:
+            result.grad_norms = _grad_norms(model)
         opt.step()
         opt.zero_grad()
         return loss
@@ -290,19 +341,37 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namesp
             enqueue_ms.append((time.perf_counter() - start) * 1e3)
             _sync(device)
             result.step_ms.append((time.perf_counter() - start) * 1e3)
-            global_loss = loss.detach().float()
+            global_loss = loss.float()
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
             result.losses.append(global_loss.item())
         if device.type == "cuda":
             result.peak_gib = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
-            if args.profile_steps:
-                with tempfile.NamedTemporaryFile(suffix=".json") as trace:
-                    trace_steps(lambda i: step(args.steps + i), args.profile_steps, trace.name, host=bool(args.trace_dir))
-                    overlap = communication_overlap(trace.name, args.profile_steps)
-                    if args.trace_dir:
-                        _keep_trace(trace.name, args.trace_dir, f"{name}_{batch * seq}_rank{dist.get_rank()}")
-                result.comm_ms, result.exposed_comm_ms = overlap["comm"], overlap["exposed"]
-                result.compute_ms, result.idle_ms = overlap["compute"], overlap["idle"]
+            result.reserved_gib = torch.cuda.max_memory_reserved(device) / 2**30
+        for i in range(args.split_steps):  # forward+backward and the optimizer timed apart
+            _sync(device)
+            start = time.perf_counter()
+            forward_backward(args.steps + i)
+            _sync(device)
+            middle = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            _sync(device)
+            split_ms.append(((middle - start) * 1e3, (time.perf_counter() - middle) * 1e3))
+        if device.type == "cuda" and args.profile_steps:
+            first = args.steps + args.split_steps
+            with tempfile.NamedTemporaryFile(suffix=".json") as trace:
+                trace_steps(lambda i: step(first + i), args.profile_steps, trace.name, host=bool(args.trace_dir))
+                overlap = communication_overlap(trace.name, args.profile_steps)
+                if args.trace_dir:
+                    _keep_trace(trace.name, args.trace_dir, f"{name}_{batch * seq}_run{repeat}_rank{dist.get_rank()}")
+            result.comm_ms, result.exposed_comm_ms = overlap["comm"], overlap["exposed"]
+            result.compute_ms, result.idle_ms = overlap["compute"], overlap["idle"]
+    if split_ms:
+        result.fwd_bwd_ms = statistics.median(f for f, _ in split_ms)
+        result.opt_ms = statistics.median(o for _, o in split_ms)
+    if name in BOUNDS and args.split_steps:
+        result.sharded_opt_ms = _sharded_optimizer_ms(prepared.params, args.split_steps, device)
+    result.peak_comparable = name not in CUDA_GRAPHS
     result.median_step_ms = statistics.median(result.step_ms[args.warmup :])
     result.cpu_ms = statistics.median(enqueue_ms[args.warmup :])
     result.compile_s = max(0.0, (result.step_ms[0] - result.median_step_ms) / 1e3)
@@ -310,7 +379,7 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, args: argparse.Namesp
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
     if peak:
         result.mfu = _flops_per_token(cfg, seq) * result.tokens_per_s_per_gpu / peak
-    del prepared, model, opt, step, loss
+    del prepared, model, opt, step, forward_backward, loss
     leftover = _release(device) - resident
     result.extra.update(resident_before_gib=resident / 2**30, leftover_after_gib=leftover / 2**30,
                         model_freed=model_ref() is None)
@@ -323,49 +392,6 @@ def _keep_trace(path: str, trace_dir: str, stem: str) -> None:
         shutil.copyfileobj(src, dst)
 
 
-def check_losses(results: list[Result]) -> list[str]:
-    """Every system's losses against FSDP2 eager's, per point (the bound: step 0 only)."""
-    problems = []
-    by_point: dict[int, dict[str, Result]] = {}
-    for r in results:
-        by_point.setdefault(r.tokens_per_gpu, {})[r.system] = r
-    for tokens, systems in by_point.items():
-        ref = systems["fsdp2_eager"].losses
-        for name, r in systems.items():
-            steps = 1 if name == "no_comm_bound" else len(ref)
-            worst = max(abs(a - b) / abs(b) for a, b in zip(r.losses[:steps], ref[:steps]))
-            r.extra["loss_max_rel_diff_vs_fsdp2_eager"] = worst
-            if worst > LOSS_RTOL:
-                problems.append(f"{tokens} tokens/GPU: {name} loss differs from fsdp2_eager by {worst:.2e}")
-    return problems
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    if value is None:
-        return "n/a"
-    return format(value, spec[:-1]) + "%" if spec.endswith("%") else format(value, spec)
-
-
-def table(results: list[Result]) -> Iterator[str]:
-    by_point: dict[int, list[Result]] = {}
-    for r in results:
-        by_point.setdefault(r.tokens_per_gpu, []).append(r)
-    for tokens, rows in sorted(by_point.items()):
-        ref = next(r for r in rows if r.system == "fsdp2_eager").median_step_ms
-        bound = next(r for r in rows if r.system == "no_comm_bound").median_step_ms
-        yield f"\n{tokens} tokens/GPU (batch {rows[0].batch} x seq {rows[0].seq})\n"
-        yield ("| system | step ms | vs FSDP2 eager | vs bound | tokens/s/GPU | MFU | peak GiB | exposed comm ms "
-               "| comm ms | compute ms | GPU idle ms | host ms | compile s |")
-        yield "|---|---|---|---|---|---|---|---|---|---|---|---|---|"
-        for r in rows:
-            yield (
-                f"| {r.system} | {r.median_step_ms:.1f} | {r.median_step_ms / ref:.2f}x | {r.median_step_ms / bound:.2f}x | "
-                f"{r.tokens_per_s_per_gpu:,.0f} | {_fmt(r.mfu and 100 * r.mfu, '.1f%')} | {_fmt(r.peak_gib, '.2f')} | "
-                f"{_fmt(r.exposed_comm_ms, '.1f')} | {_fmt(r.comm_ms, '.1f')} | {_fmt(r.compute_ms, '.1f')} | "
-                f"{_fmt(r.idle_ms, '.1f')} | {_fmt(r.cpu_ms, '.1f')} | {r.compile_s:.1f} |"
-            )
-
-
 def _points(tokens: list[int], max_seq: int) -> list[tuple[int, int]]:
     """tokens per GPU -> (batch, seq): seq as long as the model allows (up to 2048), batch for the rest."""
     seq_cap = min(max_seq, 2048)
@@ -373,18 +399,23 @@ def _points(tokens: list[int], max_seq: int) -> list[tuple[int, int]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description="fsdp_compile vs FSDP2, SimpleFSDP-style and the bound, in one run.")
+    parser = argparse.ArgumentParser(description="fsdp_compile vs FSDP2, SimpleFSDP-style and the bounds, in one run.")
     parser.add_argument("--model", choices=sorted(MODELS), default="0.95b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096], help="tokens per GPU (sweep points)")
     parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), help="default: all (on CPU: all but GPU_ONLY)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of every system per point, interleaved (headlines: 3)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of timing and peak memory")
+    parser.add_argument("--split-steps", type=int, default=3,
+                        help="extra steps with forward+backward and the optimizer timed apart (the tight bound)")
     parser.add_argument("--profile-steps", type=int, default=2, help="extra steps traced for exposed communication")
     parser.add_argument("--out", help="write the JSON results to this file")
     parser.add_argument("--trace-dir", help="keep each system's profiler trace (CPU and CUDA) here, per rank")
     args = parser.parse_args()
     if args.systems and ("fsdp2_eager" not in args.systems or "no_comm_bound" not in args.systems):
         parser.error("--systems must include fsdp2_eager and no_comm_bound (the tables' references)")
+    if args.split_steps < 1 or args.repeats < 1 or not 0 < args.warmup < args.steps:
+        parser.error("--split-steps and --repeats must be >= 1, and 0 < --warmup < --steps")
     cfg = MODELS[args.model]
     use_cuda = torch.cuda.is_available()
     args.systems = args.systems or [s for s in SYSTEMS if use_cuda or s not in GPU_ONLY]
@@ -395,15 +426,16 @@ def main() -> None:
     results = []
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, cache_size_limit=64):
         for batch, seq in _points(args.tokens, cfg.max_seq_len):
-            for name in args.systems:
-                results.append(run(name, cfg, batch, seq, args, device))
-                if dist.get_rank() == 0:
-                    r = results[-1]
-                    brief = {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(r).items()
-                             if k not in ("system", "losses", "step_ms", "extra")}
-                    print(f"# {name} {batch}x{seq}: {r.median_step_ms:.1f} ms, losses {[round(x, 4) for x in r.losses]}, "
-                          f"{brief}, {r.extra}", flush=True)
-    problems = check_losses(results)
+            for repeat in range(args.repeats):
+                for name in args.systems:
+                    results.append(run(name, cfg, batch, seq, repeat, args, device))
+                    if dist.get_rank() == 0:
+                        r = results[-1]
+                        brief = {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(r).items()
+                                 if k not in ("system", "losses", "step_ms", "extra", "grad_norms")}
+                        print(f"# {name} {batch}x{seq} run {repeat}: {r.median_step_ms:.1f} ms, losses "
+                              f"{[round(x, 4) for x in r.losses]}, {brief}, {r.extra}", flush=True)
+    loss_problems, grad_problems = check_losses(results), check_gradients(results)
     meta = {
         "model": args.model,
         "world_size": dist.get_world_size(),
@@ -412,18 +444,24 @@ def main() -> None:
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
         "steps": args.steps,
         "warmup": args.warmup,
+        "split_steps": args.split_steps,
+        "repeats": args.repeats,
         "loss_rtol": LOSS_RTOL,
+        "grad_rtol": GRAD_RTOL,
     }
     if dist.get_rank() == 0:
         print(f"\n## {meta}")
         for line in table(results):
             print(line)
-        print(f"\nloss guard (all systems vs fsdp2_eager, rtol {LOSS_RTOL}): " + ("; ".join(problems) or "OK"))
+        print(f"\nloss guard (all systems vs fsdp2_eager, rtol {LOSS_RTOL}; bounds at step 0 only): "
+              + ("; ".join(loss_problems) or "OK"))
+        print(f"gradient guard (per-parameter gradient norms after step 0 vs fsdp2_eager, rtol {GRAD_RTOL}; "
+              f"{', '.join(BOUNDS)} not compared: no averaging over ranks): " + ("; ".join(grad_problems) or "OK"))
         if args.out:
             with open(args.out, "w") as f:
                 json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
     dist.destroy_process_group()
-    if problems:
+    if loss_problems or grad_problems:
         raise SystemExit(1)
 
 

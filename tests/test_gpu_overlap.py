@@ -67,7 +67,9 @@ def _profile(rank: int, world_size: int, out: str) -> None:
     # NCCL kernels run while compute kernels run; without the pass, every one runs alone. (A NCCL kernel's
     # duration includes waiting for the other rank, so "comm" differs between ranks.)
     assert on["overlapped"] > 0, on
-    assert on["overlapped"] > off["overlapped"], (on, off)
+    # Without the pass every wait follows its collective at once: nothing runs beside a NCCL kernel (measured
+    # 0.0 ms on both ranks; the margin is for the profiler's timestamps at kernel boundaries).
+    assert off["overlapped"] < 0.05, off
     # Copy-engine all-gathers: no NCCL all-gather kernel; three memcpys each on 2 ranks (shard -> output,
     # output -> workspace, the peer's workspace -> output), which run beside compute kernels.
     assert all_gather_kernels["on"] > 0 and all_gather_kernels["copy_engine"] == 0, all_gather_kernels

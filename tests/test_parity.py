@@ -266,7 +266,6 @@ def test_parity_activation_checkpointing(compiler: str) -> None:
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_parity_third_party_gpt2_with_tied_embeddings(compiler: str) -> None:
-    pytest.importorskip("transformers")
     # float64: GPT-2's attention key bias has a ~0 true gradient, so in fp32 AdamW turns rounding into
     # visible updates (1e-4 seen) whatever the sharding (docs/architecture.md, "Testing numerics").
     spawn_ranks(_train_and_compare, 2, Case(compiler, torch.float64, torch.float64, steps=3, model="gpt2"))
