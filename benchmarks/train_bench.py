@@ -398,6 +398,29 @@ def _points(tokens: list[int], max_seq: int) -> list[tuple[int, int]]:
     return [(max(1, t // seq_cap), min(t, seq_cap)) for t in tokens]
 
 
+def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    use_cuda = device.type == "cuda"
+    return {
+        "model": args.model,
+        "world_size": dist.get_world_size(),
+        "card": torch.cuda.get_device_name(device) if use_cuda else "cpu",
+        "torch": torch.__version__,
+        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "split_steps": args.split_steps,
+        "repeats": args.repeats,
+        "loss_rtol": LOSS_RTOL,
+        "grad_rtol": GRAD_RTOL,
+    }
+
+
+def _write(path: str | None, meta: dict[str, Any], results: list[Result]) -> None:
+    if path:
+        with open(path, "w") as f:
+            json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description="fsdp_compile vs FSDP2, SimpleFSDP-style and the bounds, in one run.")
     parser.add_argument("--model", choices=sorted(MODELS), default="0.95b")
@@ -430,25 +453,14 @@ def main() -> None:
                 for name in args.systems:
                     results.append(run(name, cfg, batch, seq, repeat, args, device))
                     if dist.get_rank() == 0:
+                        _write(args.out, _meta(args, device), results)  # kept if a later run dies
                         r = results[-1]
                         brief = {k: round(v, 2) if isinstance(v, float) else v for k, v in asdict(r).items()
                                  if k not in ("system", "losses", "step_ms", "extra", "grad_norms")}
                         print(f"# {name} {batch}x{seq} run {repeat}: {r.median_step_ms:.1f} ms, losses "
                               f"{[round(x, 4) for x in r.losses]}, {brief}, {r.extra}", flush=True)
     loss_problems, grad_problems = check_losses(results), check_gradients(results)
-    meta = {
-        "model": args.model,
-        "world_size": dist.get_world_size(),
-        "card": torch.cuda.get_device_name(device) if use_cuda else "cpu",
-        "torch": torch.__version__,
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "split_steps": args.split_steps,
-        "repeats": args.repeats,
-        "loss_rtol": LOSS_RTOL,
-        "grad_rtol": GRAD_RTOL,
-    }
+    meta = _meta(args, device)
     if dist.get_rank() == 0:
         print(f"\n## {meta}")
         for line in table(results):
@@ -457,9 +469,7 @@ def main() -> None:
               + ("; ".join(loss_problems) or "OK"))
         print(f"gradient guard (per-parameter gradient norms after step 0 vs fsdp2_eager, rtol {GRAD_RTOL}; "
               f"{', '.join(BOUNDS)} not compared: no averaging over ranks): " + ("; ".join(grad_problems) or "OK"))
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
+        _write(args.out, meta, results)
     dist.destroy_process_group()
     if loss_problems or grad_problems:
         raise SystemExit(1)
