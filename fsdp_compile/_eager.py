@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from fsdp_compile._internals import counters
+from fsdp_compile.debug import degraded
 
 __all__ = ["EagerUnit", "live_gathers"]
 
@@ -41,6 +42,9 @@ def _pack(tensor: torch.Tensor) -> torch.Tensor | _SavedView:
     try:
         unit = live_gathers.get(tensor.untyped_storage().data_ptr())
     except (RuntimeError, NotImplementedError):  # tensors without a plain storage (subclasses, sparse)
+        degraded("eager_saved_whole", f"eager mode saved a {type(tensor).__name__} with layout {tensor.layout} "
+                 "for backward as it is (no plain storage to tell whether it views a gathered unit): a unit it "
+                 "views stays gathered until backward")
         return tensor
     return _SavedView(unit, tensor) if unit is not None else tensor
 

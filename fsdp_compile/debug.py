@@ -7,10 +7,25 @@
 Stages: ``"dynamo"`` (the Dynamo graph after ``insert_collectives``), ``"forward"`` and ``"backward"`` (the
 AOTAutograd graphs after partitioning, as the compiler receives them). The backward graph is compiled at
 the first backward call, so run it inside the ``with`` block.
+
+When the library falls back to something slower or heavier than asked for, it says so: :func:`degraded`
+counts every occurrence in ``torch._dynamo.utils.counters["fsdp_compile"][key]`` and logs a warning with
+the reason once per key and process (logger ``fsdp_compile.debug``). The keys:
+
+- ``schedule_overlap_unscheduled_all_gathers`` / ``..._grad_reductions``: a collective the overlap pass
+  does not recognise stays where it is (not prefetched, not overlapped);
+- ``schedule_overlap_kept_original_order``: no valid order found, the graph keeps its order;
+- ``copy_engine_mid_step_syncs``: a copy-engine all-gather had to grow the symmetric workspace, which
+  waits for the GPU (``torch.cuda.synchronize``) in the middle of a step;
+- ``eager_saved_whole``: eager mode saved a tensor without a plain storage (a subclass, sparse) for
+  backward as it is, so its unit's memory is not released after forward.
+
+Passes run when Inductor compiles a graph: a graph served from Inductor's FX graph cache counts nothing.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,9 +33,11 @@ from typing import Literal
 
 import torch.fx as fx
 
-from fsdp_compile._internals import trace_structured
+from fsdp_compile._internals import counters, trace_structured
 
-__all__ = ["CapturedGraph", "artifact", "capture_graphs"]
+__all__ = ["CapturedGraph", "artifact", "capture_graphs", "degraded"]
+
+log = logging.getLogger(__name__)
 
 Stage = Literal["dynamo", "forward", "backward"]
 
@@ -53,3 +70,14 @@ def artifact(name: str, payload: Callable[[], str]) -> None:
     """A JSON plan as a structured artifact ``fsdp_compile_<name>`` (tlparse shows it under TORCH_TRACE);
     ``payload`` runs only when structured tracing is on."""
     trace_structured("artifact", metadata_fn=lambda: {"name": f"fsdp_compile_{name}", "encoding": "json"}, payload_fn=payload)
+
+
+_said: set[str] = set()
+
+
+def degraded(key: str, reason: str) -> None:
+    """Count a fallback under ``counters["fsdp_compile"][key]``; log ``reason`` the first time per ``key``."""
+    counters["fsdp_compile"][key] += 1
+    if key not in _said:
+        _said.add(key)
+        log.warning("%s [counted in torch._dynamo.utils.counters['fsdp_compile'][%r]; said once]", reason, key)

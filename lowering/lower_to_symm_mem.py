@@ -47,6 +47,7 @@ from fsdp_compile._graph import (
     named,
     plan_json,
 )
+from fsdp_compile.debug import degraded
 
 __all__ = [
     "LowerToSymmMem",
@@ -95,7 +96,12 @@ def all_gather_copy_engine(
     """``all_gather_into_tensor(shard, group_size, group_name)`` by copy engines, through a symmetric
     workspace of at least ``workspace_bytes``; wait for the result with ``_c10d_functional.wait_tensor``
     (steps: the module docstring)."""
-    workspace = reserve_workspace(group_name, max(workspace_bytes, shard.nbytes))
+    nbytes = max(workspace_bytes, shard.nbytes)
+    if nbytes > _workspace_bytes.get(group_name, 0):
+        degraded("copy_engine_mid_step_syncs", f"all_gather_copy_engine: the symmetric workspace of group "
+                 f"{group_name} was not reserved for {nbytes} bytes when the graph compiled; reserving it now "
+                 "waits for the GPU (torch.cuda.synchronize) in the middle of a step")
+    workspace = reserve_workspace(group_name, nbytes)
     output = shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
     parts = output.chunk(group_size)
     parts[workspace.rank].copy_(shard)

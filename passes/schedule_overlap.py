@@ -12,6 +12,8 @@ Postcondition: the same nodes in a new, deterministic, topologically valid order
 - each gradient reduction stays where its input is ready; its wait, and what only the graph output needs from
   it (the local sum of an all-to-all, the cast back to the shard's dtype), move down to just before the
   gradient reduction that comes ``max_inflight_grad_reductions`` later, or to the end of the graph.
+A collective that does not match these patterns stays where it is, and a graph for which no valid order
+exists keeps its order; both are counted and said once (``fsdp_compile.debug.degraded``).
 Nothing depends on the rank: every rank computes the same order. Inductor issues collectives and waits in
 graph order, so this order is the runtime order (see tests/test_codegen.py).
 
@@ -28,7 +30,6 @@ Example (forward, prefetch 1)::
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -44,10 +45,9 @@ from fsdp_compile._graph import (
     producers,
     wait_of,
 )
+from fsdp_compile.debug import degraded
 
 __all__ = ["OverlapPlan", "ScheduleOverlap", "apply_overlap", "plan_overlap"]
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -63,12 +63,18 @@ class OverlapPlan:
     extra_bytes: int
     """Estimated peak-memory cost of the schedule: ``prefetch`` more gathered units plus the reduce-scatter
     inputs kept in flight."""
+    unscheduled: tuple[tuple[str, str], ...] = ()
+    """Collectives left where they are, (name, why): the pattern above does not match them."""
+    kept_original_order: bool = False
+    """No valid order was found: the graph keeps its order (nothing is prefetched or overlapped)."""
 
     def to_json(self) -> str:
         return plan_json(self, omit=("order",))
 
     def summary(self) -> str:
-        return f"{len(self.gathers)} all-gathers, {len(self.grad_reductions)} gradient reductions"
+        left = f", {len(self.unscheduled)} collectives unscheduled" if self.unscheduled else ""
+        kept = ", original order kept" if self.kept_original_order else ""
+        return f"{len(self.gathers)} all-gathers, {len(self.grad_reductions)} gradient reductions{left}{kept}"
 
 
 def _input_chain(ag: fx.Node) -> list[fx.Node] | None:
@@ -103,18 +109,28 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
     (output,) = [n for n in nodes if n.op == "output"]
 
     gathers = []  # (anchor: first use of the gathered buffer, ag, wait, moved chain)
+    unscheduled = []  # (node name, why)
     for node in nodes:
         if node.target != ALL_GATHER:
             continue
         wait, chain = wait_of(node), _input_chain(node)
-        if wait is None or chain is None or not wait.users:
-            continue
-        gathers.append((min(wait.users, key=position.__getitem__), node, wait, chain))
+        if wait is None:
+            unscheduled.append((node.name, "all-gather not followed by exactly one wait_tensor"))
+        elif chain is None:
+            unscheduled.append((node.name, "all-gather of a tensor computed in the graph, not of a flat shard input"))
+        elif not wait.users:
+            unscheduled.append((node.name, "all-gather whose result is never read"))
+        else:
+            gathers.append((min(wait.users, key=position.__getitem__), node, wait, chain))
     gathers.sort(key=lambda g: position[g[0]])
 
     scatters = []  # (rs, tail)
     for node in nodes:
-        if node.target in GRAD_REDUCTIONS and (wait := wait_of(node)) is not None:
+        if node.target not in GRAD_REDUCTIONS:
+            continue
+        if (wait := wait_of(node)) is None:
+            unscheduled.append((node.name, "gradient reduction not followed by exactly one wait_tensor"))
+        else:
             scatters.append((node, _tail(wait, output, position)))
 
     moved = {n for _, ag, wait, chain in gathers for n in (*chain, ag, wait)}
@@ -144,7 +160,6 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
         placed[a] < placed[n] for n in order for a in n.all_input_nodes
     )
     if not valid:
-        log.warning("schedule_overlap: no valid order found for this graph; keeping the original order")
         order = nodes
     unit_bytes = max((nbytes(w) for _, _, w, _ in gathers), default=0)
     rs_bytes = max((nbytes(rs.args[0]) for rs, _ in scatters if isinstance(rs.args[0], fx.Node)), default=0)
@@ -155,11 +170,20 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
         prefetch=prefetch,
         max_inflight_grad_reductions=max_inflight_grad_reductions,
         extra_bytes=prefetch * unit_bytes + (max_inflight_grad_reductions - 1) * rs_bytes if valid else 0,
+        unscheduled=tuple(unscheduled),
+        kept_original_order=not valid,
     )
 
 
 def apply_overlap(gm: fx.GraphModule, plan: OverlapPlan) -> None:
     nodes = {n.name: n for n in gm.graph.nodes}
+    for name, why in plan.unscheduled:
+        kind = "all_gathers" if nodes[name].target == ALL_GATHER else "grad_reductions"
+        degraded(f"schedule_overlap_unscheduled_{kind}", f"schedule_overlap left {name} unscheduled (not "
+                 f"overlapped with compute): {why}")
+    if plan.kept_original_order:
+        degraded("schedule_overlap_kept_original_order", "schedule_overlap found no valid order for a graph "
+                 "and kept its original order: none of its collectives overlap with compute")
     previous = None
     for name in plan.order:
         node = nodes[name]

@@ -1,5 +1,6 @@
-"""Smoke test of the benchmark program: it runs on CPU (2 gloo ranks, tiny model), its loss guard holds and
-the plots are drawn from its JSON. No timing is asserted."""
+"""The benchmark program (a program, not a test: no timing is asserted here): it runs on CPU (2 gloo ranks,
+tiny model), its guards pass for the real systems and fail for a mutated library, its tables have both
+bounds, and the plots are drawn from its JSON."""
 
 from __future__ import annotations
 
@@ -7,29 +8,114 @@ import json
 import os
 import subprocess
 import sys
+import textwrap
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+from report import GRAD_RTOL, Result, check_gradients, check_losses, points  # noqa: E402
+
+GUARDS_OK = (
+    "loss guard (all systems vs fsdp2_eager, rtol 0.02; bounds at step 0 only): OK",
+    "gradient guard (per-parameter gradient norms after step 0 vs fsdp2_eager, rtol 0.02; no_comm_bound, "
+    "no_comm_bound_cudagraphs not compared: no averaging over ranks): OK",
+)
+
+
+def _bench(tmp_path: "os.PathLike[str]", *args: str, mutation: str = "") -> tuple[subprocess.CompletedProcess, str]:
+    """Run train_bench.py on 2 gloo ranks; ``mutation``: code run first in each rank (to break the library)."""
+    out = os.path.join(tmp_path, "bench.json")
+    script = os.path.join(tmp_path, "mutated_bench.py")
+    with open(script, "w") as f:
+        f.write(f"import runpy, sys\nsys.path.insert(0, 'benchmarks')\n{mutation}\n"
+                "runpy.run_path('benchmarks/train_bench.py', run_name='__main__')\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
+           "--model", "tiny-untied", "--tokens", "32", "--steps", "3", "--warmup", "1", "--split-steps", "1", "--out", out, *args]
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900), out
 
 
 @pytest.mark.slow
 def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]") -> None:
-    out = os.path.join(tmp_path, "bench.json")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "benchmarks/train_bench.py",
-           "--model", "tiny-untied", "--tokens", "32", "--steps", "3", "--warmup", "1", "--out", out]
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc, out = _bench(tmp_path, "--repeats", "2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "loss guard (all systems vs fsdp2_eager, rtol 0.02): OK" in proc.stdout
-    assert "| fsdp_compile |" in proc.stdout and "| vs FSDP2 eager |" in proc.stdout
+    for line in GUARDS_OK:
+        assert line in proc.stdout, proc.stdout[-3000:]
+    assert "| fsdp_compile |" in proc.stdout and "| vs tight bound | vs loose bound | vs FSDP2 eager |" in proc.stdout
+    assert "32 tokens/GPU (batch 2 x seq 16), 2 run(s): tight bound " in proc.stdout
     with open(out) as f:
         data = json.load(f)
     systems = {r["system"] for r in data["results"]}
     assert systems == {"no_comm_bound", "no_comm_bound_cudagraphs", "fsdp2_eager", "fsdp2_compile", "simplefsdp", "fsdp_compile",
                        "fsdp_compile_no_overlap", "fsdp_compile_reduce_scatter", "fsdp_compile_cudagraphs"}
-    assert all(len(r["losses"]) == 3 for r in data["results"])
+    assert sorted(r["repeat"] for r in data["results"]) == [0] * len(systems) + [1] * len(systems)
+    assert all(len(r["losses"]) == 3 and r["fwd_bwd_ms"] > 0 and r["opt_ms"] > 0 for r in data["results"])
+    assert all((r["sharded_opt_ms"] is not None) == r["system"].startswith("no_comm_bound") for r in data["results"])
+    # Every parameter's gradient norm, under its unsharded name, for every system.
+    names = {frozenset(r["grad_norms"]) for r in data["results"]}
+    assert len(names) == 1 and "layers.0.attention.wq.weight" in next(iter(names))
     # Each system is gone before the next one is measured (its memory would count in the next peak).
     assert all(r["extra"]["model_freed"] for r in data["results"]), [r["system"] for r in data["results"]]
 
     subprocess.run([sys.executable, "benchmarks/plot.py", out, "--out", str(tmp_path)], cwd=ROOT, check=True)
-    assert os.path.exists(os.path.join(tmp_path, "step_time.png"))
+    assert os.path.exists(os.path.join(tmp_path, "step_time.png")) and os.path.exists(os.path.join(tmp_path, "memory.png"))
+
+
+SUM_NOT_AVERAGE = """
+import fsdp_compile._ops as ops
+_all_to_all_avg = ops.all_to_all_avg
+ops.reduce_scatter_avg = lambda t, w, g: ops._c10d.wait_tensor(ops._c10d.reduce_scatter_tensor(t.contiguous(), "sum", w, g))
+ops.all_to_all_avg = lambda t, d, w, g: _all_to_all_avg(t, d, w, g) * w
+"""
+ONE_UNIT_NOT_REDUCED = """
+import torch.distributed as dist
+import fsdp_compile._ops as ops
+_backward, _done = ops._GatherUnit.backward, []
+def backward(ctx, grad):  # the first unit traced: this rank's part of its local gradient, never averaged
+    if _done:
+        return _backward(ctx, grad)
+    _done.append(True)
+    return grad.chunk(ctx.how.world_size)[dist.get_rank()].to(ctx.shard_dtype), None, None
+ops._GatherUnit.backward = staticmethod(backward)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mutation", [SUM_NOT_AVERAGE, ONE_UNIT_NOT_REDUCED], ids=["sum_not_average", "one_unit_not_reduced"])
+def test_the_gradient_guard_fails_a_library_that_does_not_average(tmp_path: "os.PathLike[str]", mutation: str) -> None:
+    proc, _ = _bench(tmp_path, "--systems", "no_comm_bound", "fsdp2_eager", "fsdp_compile", mutation=textwrap.dedent(mutation))
+    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert GUARDS_OK[0] in proc.stdout  # the loss cannot tell (AdamW is invariant to a gradient scale) ...
+    assert "gradient guard" in proc.stdout and "fsdp_compile gradient of" in proc.stdout  # ... the gradients can
+
+
+def _result(system: str, norms: dict[str, float], losses: list[float] | None = None) -> Result:
+    return Result(system=system, tokens_per_gpu=32, batch=2, seq=16, repeat=0, losses=losses or [5.0, 4.0],
+                  step_ms=[10.0, 10.0], median_step_ms=10.0, grad_norms=norms)
+
+
+def test_guards_compare_every_system_but_the_bounds_with_fsdp2() -> None:
+    ref = {"a": 1.0, "b": 2.0}
+    results = [
+        _result("fsdp2_eager", ref),
+        _result("no_comm_bound", {"a": 3.0, "b": 4.0}, losses=[5.0, 3.0]),  # no averaging: not compared
+        _result("fsdp_compile", {"a": 1.0, "b": 2.0 * (1 + GRAD_RTOL / 2)}),
+        _result("summed", {"a": 2.0, "b": 4.0}),
+        _result("lost_one", {"a": 1.0}),
+        _result("diverged", ref, losses=[5.0, 4.5]),
+    ]
+    assert check_gradients(results) == [
+        "32 tokens/GPU, run 0: summed gradient of a differs from fsdp2_eager's by 1.00e+00 (norm after step 0)",
+        "32 tokens/GPU, run 0: lost_one has gradients for other parameters than fsdp2_eager (missing ['b'], extra [])",
+    ]
+    assert check_losses(results) == ["32 tokens/GPU, run 0: diverged loss differs from fsdp2_eager by 1.25e-01"]
+    assert results[1].extra["grad_check"] == "not compared: no averaging over ranks"
+
+
+def test_tight_bound_is_the_local_forward_backward_plus_the_sharded_optimizer() -> None:
+    bound = [_result("no_comm_bound", {}) for _ in range(3)]
+    for r, (fwd_bwd, sharded) in zip(bound, [(40.0, 5.0), (42.0, 5.0), (50.0, 6.0)]):
+        r.fwd_bwd_ms, r.sharded_opt_ms, r.repeat = fwd_bwd, sharded, bound.index(r)
+    (point,) = points([*bound, _result("fsdp2_eager", {})])
+    assert point.tight_bound_ms == 47.0 and point.row("no_comm_bound").step_range == (10.0, 10.0)

@@ -58,3 +58,41 @@ def _keep_root_gathered(rank: int, world_size: int) -> None:
 
 def test_a_unit_not_resharded_is_not_gathered_again() -> None:
     spawn_ranks(_keep_root_gathered, 2)
+
+
+class _SparseMix(torch.nn.Module):
+    """A unit whose forward saves a sparse tensor (no plain storage) for backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.register_buffer("mix", torch.eye(4).to_sparse())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sparse.mm(self.mix, self.lin(x))
+
+
+def _saved_whole(rank: int, world_size: int) -> None:
+    import logging
+
+    from fsdp_compile import debug
+
+    debug._said.clear()
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("fsdp_compile.debug").addHandler(handler)
+    model = fsdp_compile.shard(torch.nn.Sequential(_SparseMix(), _SparseMix()), units=[_SparseMix])
+    counters.clear()
+    for _ in range(2):
+        model(torch.randn(4, 4)).sum().backward()
+    assert counters["fsdp_compile"]["eager_saved_whole"] == 4  # two units, two steps
+    assert [r for r in records if "as it is" in r] == [
+        "eager mode saved a Tensor with layout torch.sparse_coo for backward as it is (no plain storage to tell "
+        "whether it views a gathered unit): a unit it views stays gathered until backward [counted in "
+        "torch._dynamo.utils.counters['fsdp_compile']['eager_saved_whole']; said once]"
+    ]
+
+
+def test_a_saved_tensor_without_plain_storage_is_counted_and_said_once() -> None:
+    spawn_ranks(_saved_whole, 2)

@@ -62,3 +62,26 @@ def test_backend_with_copy_engine_all_gathers_refuses_cpu_at_compile_time() -> N
 def test_bad_all_gather_option() -> None:
     with pytest.raises(ValueError, match="all_gather must be 'nccl' or 'copy_engine', got 'nvshmem'"):
         fsdp_compile.backend(all_gather="nvshmem")
+
+
+def _workspace_grown_mid_step(rank: int, world_size: int) -> None:
+    import torch.distributed as dist
+    from torch._dynamo.utils import counters
+
+    from fsdp_compile.lowering.lower_to_symm_mem import all_gather_copy_engine
+
+    group = dist.group.WORLD.group_name
+    counters.clear()
+    shard = torch.full((1000,), float(rank), device="cuda", dtype=torch.bfloat16)
+    want = torch.cat([torch.full((1000,), float(r), device="cuda", dtype=torch.bfloat16) for r in range(world_size)])
+    for _ in range(2):  # workspace_bytes 0: not reserved at compile time, so the first call grows it
+        torch.testing.assert_close(_c10d.wait_tensor(all_gather_copy_engine(shard, world_size, group, 0)), want)
+    assert counters["fsdp_compile"]["copy_engine_mid_step_syncs"] == 1, dict(counters["fsdp_compile"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_a_workspace_grown_mid_step_is_counted() -> None:
+    from fsdp_compile.testing.dist import spawn_ranks
+
+    spawn_ranks(_workspace_grown_mid_step, 2, backend="nccl")

@@ -68,10 +68,26 @@ def test_parameters_hold_exactly_this_ranks_shard(sharded: tuple[Llama, Llama, i
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_every_element_is_held_by_exactly_one_rank(world_size: int) -> None:
+    """The pieces of all ranks' sharded models tile every original parameter: each element held once, with
+    its value."""
     torch.manual_seed(0)
     original = Llama(LLAMA_TINY)
-    full = sum(p.numel() for p in original.parameters())
-    assert sum(_expected_local_numel(original, r, world_size) for r in range(world_size)) == full
+    held = {name: torch.zeros(p.numel(), dtype=torch.int64) for name, p in original.named_parameters()}
+    for rank in range(world_size):
+        _fake_rank(rank, world_size)
+        try:
+            model = Llama(LLAMA_TINY)
+            model.load_state_dict(original.state_dict())
+            fsdp_compile.shard(model, units=[Block])
+            for state in fsdp_compile.sharded_units(model):
+                for piece, slot, lo, hi in state.pieces:
+                    start = rank * state.layout.shard_numel + lo - slot.offset
+                    held[slot.names[0]][start : start + hi - lo] += 1
+                    want = original.get_parameter(slot.names[0]).detach().reshape(-1)[start : start + hi - lo]
+                    torch.testing.assert_close(piece.detach(), want, rtol=0, atol=0)
+        finally:
+            dist.destroy_process_group()
+    assert {name: (int(c.min()), int(c.max())) for name, c in held.items()} == dict.fromkeys(held, (1, 1))
 
 
 @pytest.mark.parametrize("sharded", [(1, 2)], indirect=True)
