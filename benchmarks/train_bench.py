@@ -287,15 +287,15 @@ def _sharded_optimizer_ms(params: list[nn.Parameter], reps: int, device: torch.d
     step of a sharded system, without its sharding."""
     world = dist.get_world_size()
     shards = [torch.zeros(-(-p.numel() // world), device=device, requires_grad=True) for p in params]
-    for shard in shards:
-        shard.grad = torch.zeros_like(shard)
     opt = _optimizer(shards, device)
     times = []
     for _ in range(reps + 1):
+        for shard in shards:  # what backward leaves; opt.zero_grad() drops it again, as in the systems' steps
+            shard.grad = torch.zeros_like(shard)
         _sync(device)
         start = time.perf_counter()
         opt.step()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad()
         _sync(device)
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times[1:])
