@@ -86,6 +86,7 @@ from torch.utils.checkpoint import (
 )
 
 import fsdp_compile
+from fsdp_compile.testing.dist import gloo_one_worker_thread
 from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_TINY, Llama, LlamaConfig
 from fsdp_compile.testing.profile import communication_overlap, trace_steps
 
@@ -444,6 +445,8 @@ def main() -> None:
     args.systems = args.systems or [s for s in SYSTEMS if use_cuda or s not in GPU_ONLY]
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    if not use_cuda:
+        gloo_one_worker_thread()  # torch's gloo races with two worker threads (heap corruption)
     dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     results = []

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_compile
-from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.dist import gloo_one_worker_thread, spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 from fsdp_compile.testing.reference import reference_step, rel_error
 
@@ -84,6 +84,8 @@ def main() -> None:
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    else:  # torch's gloo corrupts its heap, rarely, with its default two worker threads: use one
+        gloo_one_worker_thread()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
         train(dist.get_rank(), dist.get_world_size(), args.steps)

@@ -14,6 +14,8 @@ Shims, each where it is used:
   keyword, for the backward graph alone (the forward call omits it): :func:`is_backward_compile`.
 * ``enable_symm_mem_for_group`` is deprecated (FutureWarning) on 2.11 and 2.13, but Inductor still gates
   its symmetric-memory features on ``is_symm_mem_enabled_for_group``: :func:`symm_mem_workspace`.
+* Gloo process groups race in torch itself when two worker threads finish at once (heap corruption):
+  :func:`gloo_one_worker_thread`, for the multi-rank harness on CPU.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ __all__ = [
     "counters",
     "hash_sources",
     "flat_optimizer_state",
+    "gloo_one_worker_thread",
     "get_optimizer_state_dict",
     "inductor_config",
     "is_backward_compile",
@@ -231,3 +234,35 @@ def register_work(output: torch.Tensor) -> None:
     """Register a symmetric-memory work object (its CUDA event recorded on the current stream) for
     ``output``: the graph's ``wait_tensor(output)`` then makes the compute stream wait for it."""
     torch._C._distributed_c10d._register_work(output, symmetric_memory().Work())
+
+
+def gloo_one_worker_thread() -> None:
+    """Gloo process groups created from now on in this process run their collectives on ONE worker thread
+    (gloo's default is two). Why: ``ProcessGroupGloo::runLoop`` updates the group's status (the name of the
+    last completed work, a ``std::string``) after it releases its lock, so two worker threads finishing at
+    the same time can free the same string buffer twice, or copy a short name into a buffer the other one
+    just freed: heap corruption ("malloc(): unaligned tcache chunk detected", SIGSEGV), seen in about one
+    multi-rank test run in 20-50 (found in torch 2.13's libtorch_cpu; reproduced with nothing but
+    alternating functional all-reduces and all-gathers on 3 gloo ranks). One thread serializes the
+    collectives, which every rank issues in the same order anyway. Call it before creating the groups;
+    calling it again does nothing."""
+    c10d = importlib.import_module("torch.distributed.distributed_c10d")
+    base = c10d.ProcessGroupGloo
+    if getattr(base, "one_worker_thread", False):
+        return
+    for name in ("_Options", "create_default_device"):
+        if not hasattr(base, name):
+            raise _missing(f"ProcessGroupGloo.{name}")
+
+    class OneWorkerThreadGloo(base):  # type: ignore[misc, valid-type]
+        one_worker_thread = True
+
+        def __init__(self, store: Any, rank: int, size: int, timeout: Any = None) -> None:
+            options = base._Options()
+            options._devices = [base.create_default_device()]
+            options._threads = 1
+            if timeout is not None:
+                options._timeout = timeout
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = OneWorkerThreadGloo

@@ -11,7 +11,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["free_port", "spawn_ranks"]
+from fsdp_compile._internals import gloo_one_worker_thread
+
+__all__ = ["free_port", "gloo_one_worker_thread", "spawn_ranks"]
 
 
 def free_port() -> int:
@@ -24,6 +26,8 @@ def _run(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
+    else:  # torch's gloo races with its default two worker threads (heap corruption): see the function
+        gloo_one_worker_thread()
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
