@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.fx as fx
@@ -27,9 +29,15 @@ def _graphs(
     return {stage: gm for stage, gm in graphs.items() if stage != "dynamo"}
 
 
+@functools.cache
+def _scheduled(prefetch: int = 1, max_inflight_grad_reductions: int = 2, overlap: bool = True) -> dict[str, fx.GraphModule]:
+    """The graphs with these schedule options, compiled once per test module run (tests only read them)."""
+    return _graphs(prefetch=prefetch, max_inflight_grad_reductions=max_inflight_grad_reductions, overlap=overlap)
+
+
 @pytest.fixture(scope="module")
 def scheduled() -> dict[str, fx.GraphModule]:
-    return _graphs()
+    return _scheduled()
 
 
 def _units(gm: fx.GraphModule) -> list[dict[str, int]]:
@@ -64,7 +72,7 @@ def _gathers_in_flight(gm: fx.GraphModule) -> list[list[int]]:
 @pytest.mark.parametrize("stage", ["forward", "backward"])
 @pytest.mark.parametrize("prefetch", [0, 1, 2])
 def test_exactly_prefetch_next_units_are_gathering_when_a_unit_starts(stage: str, prefetch: int) -> None:
-    gm = (_graphs(prefetch=prefetch) if prefetch != 1 else _graphs())[stage]
+    gm = _scheduled(prefetch=prefetch)[stage]
     units = _units(gm)
     assert len(units) == N_UNITS
     in_flight = _gathers_in_flight(gm)
@@ -85,7 +93,7 @@ def test_next_units_all_gather_runs_beside_this_units_matmuls(scheduled: dict, s
 
 @pytest.mark.parametrize("stage", ["forward", "backward"])
 def test_without_the_pass_each_all_gather_is_issued_at_its_use(stage: str) -> None:
-    gm = _graphs(overlap=False)[stage]
+    gm = _scheduled(overlap=False)[stage]
     assert _gathers_in_flight(gm) == [[]] * N_UNITS
     units = _units(gm)
     for this, nxt in zip(units, units[1:]):
@@ -103,7 +111,7 @@ def _reductions(gm: fx.GraphModule, op: object) -> tuple[list[fx.Node], list[fx.
 def test_exactly_limit_gradient_reductions_in_flight(limit: int) -> None:
     """Right after gradient reduction j is issued, reductions j-limit+1 .. j are in flight: each wait sinks
     until just before the reduction ``limit`` later is issued, and no further."""
-    gm = (_graphs(max_inflight_grad_reductions=limit) if limit != 2 else _graphs())["backward"]
+    gm = _scheduled(max_inflight_grad_reductions=limit)["backward"]
     scatters, waits, pos = _reductions(gm, RS)
     assert len(scatters) == N_UNITS
     for j, rs in enumerate(scatters):
@@ -150,7 +158,7 @@ def _max_alive(gm: fx.GraphModule) -> int:
 
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_prefetch_keeps_prefetch_more_units_alive(prefetch: int) -> None:
-    baseline, graphs = _graphs(overlap=False), _graphs(prefetch=prefetch)
+    baseline, graphs = _scheduled(overlap=False), _scheduled(prefetch=prefetch)
     for stage, gm in graphs.items():
         # Without prefetch: the unit being computed (and, in forward, the root, used again at the end).
         assert _max_alive(gm) == _max_alive(baseline[stage]) + prefetch, stage
@@ -183,7 +191,7 @@ def test_the_pass_runs_in_inductors_observer_and_can_be_switched_off_by_name() -
     ``torch._inductor.config.disabled_passes`` reaches it (and a graph dump can show it)."""
     with inductor_config.patch(disabled_passes="fsdp_compile.schedule_overlap"):
         disabled = _graphs()
-    unscheduled = _graphs(overlap=False)
+    unscheduled = _scheduled(overlap=False)
     for stage in ("forward", "backward"):
         assert _order(disabled[stage]) == _order(unscheduled[stage])
 
