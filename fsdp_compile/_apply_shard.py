@@ -44,7 +44,7 @@ def apply_shard(module: nn.Module, plan: ShardPlan, group: dist.ProcessGroup) ->
                 sharded_modules[id(owner)] = owner
         unit_module = module.get_submodule(state.layout.fqn)
         unit_module.register_forward_pre_hook(state.eager.pre_forward)
-        unit_module.register_forward_hook(state.eager.post_forward)
+        unit_module.register_forward_hook(state.eager.post_forward, always_call=True)  # also when forward raises
         state.flat.register_post_accumulate_grad_hook(weak_hook(state.distribute_grad))
     for owner in sharded_modules.values():
         owner.__class__ = _sharded_class(type(owner), tuple(sorted(getattr(owner, SLOTS_ATTR, {}))))

@@ -46,7 +46,11 @@ def _pack(tensor: torch.Tensor) -> torch.Tensor | _SavedView:
                  "for backward as it is (no plain storage to tell whether it views a gathered unit): a unit it "
                  "views stays gathered until backward")
         return tensor
-    return _SavedView(unit, tensor) if unit is not None else tensor
+    # Not the tensor itself: a saved output would then hold its own grad_fn through autograd's C++ saved
+    # variable, a cycle the garbage collector cannot see, and a graph whose backward never runs (a forward
+    # that raised, a loss never backpropagated) would never be freed. Its data, without autograd history,
+    # is all backward reads.
+    return _SavedView(unit, tensor) if unit is not None else tensor.detach()
 
 
 def _unpack(saved: torch.Tensor | _SavedView) -> torch.Tensor:
@@ -58,17 +62,20 @@ def _unpack(saved: torch.Tensor | _SavedView) -> torch.Tensor:
 class EagerUnit:
     """The eager-mode state of one unit, held by the unit (``UnitState.eager``).
 
-    ``gather`` all-gathers the unit (differentiable, cast to ``param_dtype``). ``reshard``: drop the gathered
+    ``gather`` all-gathers the unit (differentiable, cast to ``param_dtype``); ``version`` tells whether the
+    shard changed since (its tensor version: an optimizer step bumps it). ``reshard``: drop the gathered
     buffer after the unit's forward and gather again in backward (off for units kept gathered, and for a
     group of one rank, whose "gather" is the shard itself)."""
 
-    def __init__(self, gather: Callable[[], torch.Tensor], *, reshard: bool) -> None:
+    def __init__(self, gather: Callable[[], torch.Tensor], version: Callable[[], int], *, reshard: bool) -> None:
         self._gather = gather
+        self._version = version
         self._reshard = reshard
         self.gathered: torch.Tensor | None = None
         """The gathered unit while the unit's forward runs."""
         self._hooks: list[torch.autograd.graph.saved_tensors_hooks] = []
         self._regathered: torch.Tensor | None = None
+        self._regathered_version = -1
         self._pending = 0
 
     @property
@@ -104,9 +111,13 @@ class EagerUnit:
         self.gathered = None
 
     def _unpack(self, saved: _SavedView) -> torch.Tensor:
-        if self._regathered is None:
+        # Gathered again for this backward, unless a gather of the same shard version is still held. Views
+        # of a forward that raised are only released when the garbage collector finds them: until then
+        # `_pending` stays above zero and the buffer outlives its backward, so it may be stale.
+        if self._regathered is None or self._regathered_version != self._version():
             with torch.no_grad():
                 self._regathered = self._gather()
+            self._regathered_version = self._version()
             counters["fsdp_compile"]["eager_regathers"] += 1
         tensor = self._regathered.as_strided(saved.shape, saved.stride, saved.offset)
         if saved.release.detach() is not None:

@@ -78,7 +78,9 @@ class UnitState:
         self.accum: torch.Tensor | None = None
         """Gradient sync off: a full-size leaf in reduce_dtype whose .grad accumulates the unreduced gradient."""
         self.eager = EagerUnit(
-            self.cast_all_gather_differentiable, reshard=self.world_size > 1 and reshard_after_forward
+            self.cast_all_gather_differentiable,
+            lambda: self.flat._version,
+            reshard=self.world_size > 1 and reshard_after_forward,
         )
         """Eager mode (the unit's forward hooks and saved-tensor hooks)."""
 
