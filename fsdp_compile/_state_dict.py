@@ -23,6 +23,11 @@ def _slots_by_param(module: nn.Module) -> dict[int, tuple[UnitState, ParamSlot]]
     return {id(piece.param): (state, piece.slot) for state in sharded_units(module) for piece in state.pieces}
 
 
+def _is_group_rank0(module: nn.Module) -> bool:
+    """Whether this rank is rank 0 of the group the module is sharded over (not necessarily global rank 0)."""
+    return torch.distributed.get_rank(sharded_units(module)[0].group) == 0
+
+
 def _emit(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
     return tensor.to("cpu", copy=True) if cpu_offload else tensor.clone()
 
@@ -32,12 +37,13 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
     """Original parameter and buffer names -> full tensors. A collective: call it on every rank.
 
     Keys and order are those of ``module.state_dict()`` before sharding; both names of a tied weight map
-    to the same tensor, as ``nn.Module.state_dict`` gives them. ``rank0_only``: other ranks return ``{}``.
-    ``cpu_offload``: the tensors are copied to CPU memory, one unit at a time. Buffers are not sharded: each
-    rank returns its own (with ``rank0_only``, rank 0's); call ``fsdp_compile.sync_buffers`` first where
+    to the same tensor, as ``nn.Module.state_dict`` gives them. ``rank0_only``: only rank 0 of the group the
+    module is sharded over (``shard(group=...)``, not necessarily global rank 0) returns them; the other
+    ranks return ``{}``. ``cpu_offload``: the tensors are copied to CPU memory, one unit at a time. Buffers
+    are not sharded: each rank returns its own (with ``rank0_only``, that rank's); call ``fsdp_compile.sync_buffers`` first where
     they can differ across ranks (BatchNorm's running statistics).
     """
-    keep = not rank0_only or torch.distributed.get_rank() == 0
+    keep = not rank0_only or _is_group_rank0(module)
     full: dict[int, torch.Tensor] = {}
     for state in sharded_units(module):
         values = state.all_gather_params_nograd()
@@ -103,8 +109,9 @@ def full_optimizer_state_dict(
     module: nn.Module, optimizer: torch.optim.Optimizer, *, rank0_only: bool = False, cpu_offload: bool = False
 ) -> dict[str, Any]:
     """The optimizer's state with full tensors keyed by parameter name: ``{"state": {name: {key: value}},
-    "param_groups": [{..., "params": [names]}]}``. A collective: call it on every rank."""
-    keep = not rank0_only or torch.distributed.get_rank() == 0
+    "param_groups": [{..., "params": [names]}]}``. A collective: call it on every rank. ``rank0_only`` and
+    ``cpu_offload`` as in :func:`full_state_dict`."""
+    keep = not rank0_only or _is_group_rank0(module)
     names = _names(module)
     state_out: dict[str, dict[str, Any]] = {}
     for unit in sharded_units(module):

@@ -83,3 +83,31 @@ def _bad_loads(rank: int, world_size: int) -> None:
 
 def test_bad_state_dicts_are_refused_and_nothing_is_loaded() -> None:
     spawn_ranks(_bad_loads, 2)
+
+
+def _rank0_of_a_subgroup(rank: int, world_size: int) -> None:
+    """Sharded over ranks 1 and 2 only: ``rank0_only`` means rank 0 of that group, global rank 1."""
+    import torch.distributed as dist
+
+    from fsdp_compile.testing.llama import Block, Llama
+
+    group = dist.new_group([1, 2])
+    if rank == 0:  # not in the group: takes no part
+        return
+    torch.manual_seed(0)
+    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], group=group)
+    model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)).backward()
+    opt = torch.optim.AdamW(model.parameters())
+    opt.step()
+    sd = fsdp_compile.full_state_dict(model, rank0_only=True)
+    osd = fsdp_compile.full_optimizer_state_dict(model, opt, rank0_only=True)
+    everywhere = fsdp_compile.full_state_dict(model)  # a collective of the group: both ranks call it
+    if rank == 1:
+        assert_bitwise(sd, everywhere)
+        assert set(osd["state"]) == {name for name, _ in model.named_parameters()}
+    else:
+        assert sd == {} and osd == {}, (list(sd)[:3], list(osd)[:3])
+
+
+def test_rank0_only_is_rank_0_of_the_modules_group() -> None:
+    spawn_ranks(_rank0_of_a_subgroup, 3)
