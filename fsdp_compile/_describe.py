@@ -87,12 +87,13 @@ def sync_buffers(module: nn.Module, *, average: bool = False) -> None:
     running statistics) equal on every rank of the units' group: rank 0's values (``average=False``, as DDP
     broadcasts them), or, for floating-point buffers, their mean over the ranks (``average=True``; other
     buffers: rank 0's). A collective: call it on every rank, e.g. before evaluation or a checkpoint."""
-    group = sharded_units(module)[0].group
-    if dist.get_world_size(group) == 1:
+    unit = sharded_units(module)[0]
+    group = unit.group
+    if unit.world_size == 1:
         return
     for buffer in module.buffers():
         if average and buffer.is_floating_point():
             dist.all_reduce(buffer, group=group)
-            buffer.div_(dist.get_world_size(group))
+            buffer.div_(unit.world_size)
         else:
             dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)

@@ -114,10 +114,11 @@ class EagerUnit:
         # Gathered again for this backward, unless a gather of the same shard version is still held. Views
         # of a forward that raised are only released when the garbage collector finds them: until then
         # `_pending` stays above zero and the buffer outlives its backward, so it may be stale.
-        if self._regathered is None or self._regathered_version != self._version():
+        version = self._version()
+        if self._regathered is None or self._regathered_version != version:
             with torch.no_grad():
                 self._regathered = self._gather()
-            self._regathered_version = self._version()
+            self._regathered_version = version
             counters["fsdp_compile"]["eager_regathers"] += 1
         tensor = self._regathered.as_strided(saved.shape, saved.stride, saved.offset)
         if saved.release.detach() is not None:

@@ -25,7 +25,7 @@ def _slots_by_param(module: nn.Module) -> dict[int, tuple[UnitState, ParamSlot]]
 
 def _is_group_rank0(module: nn.Module) -> bool:
     """Whether this rank is rank 0 of the group the module is sharded over (not necessarily global rank 0)."""
-    return torch.distributed.get_rank(sharded_units(module)[0].group) == 0
+    return sharded_units(module)[0].rank == 0
 
 
 def _emit(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
@@ -40,8 +40,8 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
     to the same tensor, as ``nn.Module.state_dict`` gives them. ``rank0_only``: only rank 0 of the group the
     module is sharded over (``shard(group=...)``, not necessarily global rank 0) returns them; the other
     ranks return ``{}``. ``cpu_offload``: the tensors are copied to CPU memory, one unit at a time. Buffers
-    are not sharded: each rank returns its own (with ``rank0_only``, that rank's); call ``fsdp_compile.sync_buffers`` first where
-    they can differ across ranks (BatchNorm's running statistics).
+    are not sharded: each rank returns its own (with ``rank0_only``, that rank's); call
+    ``fsdp_compile.sync_buffers`` first where they can differ across ranks (BatchNorm's running statistics).
     """
     keep = not rank0_only or _is_group_rank0(module)
     full: dict[int, torch.Tensor] = {}
