@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_compile._agree import EagerFirstForward
 from fsdp_compile._optimizer_guard import mark_replaced, watch_optimizers
 from fsdp_compile._plan_shard import ShardPlan, UnitPlan
 from fsdp_compile._sharded_state_dict import install_state_dict_hooks
-from fsdp_compile._unit import SLOTS_ATTR, Piece, UnitState, register_units, weak_hook
+from fsdp_compile._unit import SLOTS_ATTR, Piece, UnitState, register_units, weak_method
 
 __all__ = ["apply_shard"]
 
@@ -45,11 +46,12 @@ def apply_shard(module: nn.Module, plan: ShardPlan, group: dist.ProcessGroup) ->
         unit_module = module.get_submodule(state.layout.fqn)
         unit_module.register_forward_pre_hook(state.eager.pre_forward)
         unit_module.register_forward_hook(state.eager.post_forward, always_call=True)  # also when forward raises
-        state.flat.register_post_accumulate_grad_hook(weak_hook(state.distribute_grad))
+        state.flat.register_post_accumulate_grad_hook(weak_method(state.distribute_grad))
     for owner in sharded_modules.values():
         owner.__class__ = _sharded_class(type(owner), tuple(sorted(getattr(owner, SLOTS_ATTR, {}))))
     states = [state for state, _ in built]
     register_units(module, states)
+    EagerFirstForward(module, states)  # its hooks run before the units gather
     module.register_forward_pre_hook(_CheckParametersSharded(states), prepend=True)  # before any unit gathers
     install_state_dict_hooks(module)
     log.info("fsdp_compile.shard: %d units over %d ranks: %s", len(states), world_size, states)

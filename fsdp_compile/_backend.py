@@ -18,8 +18,10 @@ import torch.fx as fx
 from torch import nn
 
 from fsdp_compile import _internals, debug
+from fsdp_compile._agree import agree
 from fsdp_compile._apply_shard import unsharded_parameter_message
 from fsdp_compile._internals import PassPipeline, counters, inductor_config
+from fsdp_compile._unit import UnitState
 from fsdp_compile.config import BackendConfig
 from fsdp_compile.lowering.lower_to_symm_mem import (
     LowerToSymmMem,
@@ -31,7 +33,7 @@ from fsdp_compile.passes.insert_collectives import (
     apply_collectives,
     plan_collectives,
 )
-from fsdp_compile.passes.map_units import plan_unit_inputs
+from fsdp_compile.passes.map_units import UnitInputsPlan, plan_unit_inputs
 from fsdp_compile.passes.reshard_after_forward import ReshardAfterForward
 from fsdp_compile.passes.schedule_overlap import ScheduleOverlap
 
@@ -138,10 +140,22 @@ def _check_parameters_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any])
             raise RuntimeError(unsharded_parameter_message(_internals.placeholder_source(node)))
 
 
+def _agree_on_gathers(plan: CollectivesPlan, unit_inputs: UnitInputsPlan) -> None:
+    """Before the graph runs, check that every rank compiled the same all-gathers (per process group)."""
+    by_group: dict[str, tuple[UnitState, list[str]]] = {}
+    for gather in plan.gathers:
+        state = unit_inputs.units[(gather.graph, gather.shard)]
+        by_group.setdefault(state.group_name, (state, []))[1].append(state.describe_gather())
+    for state, gathers in by_group.values():
+        agree(state.group, state.flat.device, f"the compiled graph {_internals.current_compile_id()}", gathers)
+
+
 def _insert_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CollectivesPlan:
     _check_parameters_sharded(gm, example_inputs)
-    plan = plan_collectives(gm, plan_unit_inputs(gm, example_inputs))
+    unit_inputs = plan_unit_inputs(gm, example_inputs)
+    plan = plan_collectives(gm, unit_inputs)
     debug.artifact("collectives_plan", plan.to_json)
+    _agree_on_gathers(plan, unit_inputs)
 
     def insert(graph: fx.Graph) -> CollectivesPlan:
         apply_collectives(gm, plan)

@@ -7,6 +7,7 @@ in docs/architecture.md.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -33,7 +34,8 @@ class _SavedView:
         self.offset = tensor.storage_offset()
         self.shape = tuple(tensor.shape)
         self.stride = tuple(tensor.stride())
-        unit._pending += 1
+        with unit._lock:
+            unit._pending += 1
         # A view that is never unpacked (no backward) still releases the unit when autograd drops it.
         self.release = weakref.finalize(self, unit._release_regathered)
 
@@ -63,11 +65,14 @@ class EagerUnit:
     """The eager-mode state of one unit, held by the unit (``UnitState.eager``).
 
     ``gather`` all-gathers the unit (differentiable, cast to ``param_dtype``); ``version`` tells whether the
-    shard changed since (its tensor version: an optimizer step bumps it). ``reshard``: drop the gathered
+    shard changed since (its tensor version: an optimizer step bumps it). Both may be weak (return None once
+    the unit's state is gone). ``reshard``: drop the gathered
     buffer after the unit's forward and gather again in backward (off for units kept gathered, and for a
     group of one rank, whose "gather" is the shard itself)."""
 
-    def __init__(self, gather: Callable[[], torch.Tensor], version: Callable[[], int], *, reshard: bool) -> None:
+    def __init__(
+        self, gather: Callable[[], torch.Tensor | None], version: Callable[[], int | None], *, reshard: bool
+    ) -> None:
         self._gather = gather
         self._version = version
         self._reshard = reshard
@@ -77,6 +82,10 @@ class EagerUnit:
         self._regathered: torch.Tensor | None = None
         self._regathered_version = -1
         self._pending = 0
+        # `_pending` and `_regathered` change on the forward thread (packing), autograd's threads (unpacking)
+        # and wherever the garbage collector releases a saved view; reentrant: a collection can run a
+        # release while this thread unpacks.
+        self._lock = threading.RLock()
 
     @property
     def regathered(self) -> torch.Tensor | None:
@@ -88,15 +97,24 @@ class EagerUnit:
         """Saved views of the unit that backward has not unpacked yet."""
         return self._pending
 
+    def _gather_now(self) -> torch.Tensor:
+        gathered = self._gather()
+        if gathered is None:  # the unit's state is gone: it is held weakly (see UnitState)
+            raise RuntimeError(
+                "fsdp_compile: backward needs a unit of a sharded model deleted since its forward: keep the model "
+                "until its backward has run"
+            )
+        return gathered
+
     def param(self, offset: int, numel: int, shape: tuple[int, ...]) -> torch.Tensor:
         """A parameter of the unit: a view of the buffer its forward gathered, or of one gathered for it."""
-        gathered = self.gathered if self.gathered is not None else self._gather()
+        gathered = self.gathered if self.gathered is not None else self._gather_now()
         return gathered[offset : offset + numel].view(shape)
 
     def pre_forward(self, module: torch.nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling():
             return
-        self.gathered = self._gather()
+        self.gathered = self._gather_now()
         if self._reshard:
             live_gathers[self.gathered.untyped_storage().data_ptr()] = self
             self._hooks.append(torch.autograd.graph.saved_tensors_hooks(_pack, _unpack))
@@ -114,20 +132,22 @@ class EagerUnit:
         # Gathered again for this backward, unless a gather of the same shard version is still held. Views
         # of a forward that raised are only released when the garbage collector finds them: until then
         # `_pending` stays above zero and the buffer outlives its backward, so it may be stale.
-        version = self._version()
-        if self._regathered is None or self._regathered_version != version:
-            with torch.no_grad():
-                self._regathered = self._gather()
-            self._regathered_version = version
-            counters["fsdp_compile"]["eager_regathers"] += 1
-        tensor = self._regathered.as_strided(saved.shape, saved.stride, saved.offset)
-        if saved.release.detach() is not None:
-            self._release_regathered()
-        elif self._pending == 0:  # unpacked again (retain_graph): do not keep the unit gathered
-            self._regathered = None
-        return tensor
+        with self._lock:
+            version = self._version()
+            if self._regathered is None or self._regathered_version != version:
+                with torch.no_grad():
+                    self._regathered = self._gather_now()
+                self._regathered_version = version
+                counters["fsdp_compile"]["eager_regathers"] += 1
+            tensor = self._regathered.as_strided(saved.shape, saved.stride, saved.offset)
+            if saved.release.detach() is not None:
+                self._release_regathered()
+            elif self._pending == 0:  # unpacked again (retain_graph): do not keep the unit gathered
+                self._regathered = None
+            return tensor
 
     def _release_regathered(self) -> None:
-        self._pending -= 1
-        if self._pending == 0:
-            self._regathered = None
+        with self._lock:
+            self._pending -= 1
+            if self._pending == 0:
+                self._regathered = None

@@ -20,6 +20,7 @@ Shims, each where it is used:
 
 from __future__ import annotations
 
+import datetime
 import functools
 import importlib
 import warnings
@@ -42,9 +43,12 @@ __all__ = [
     "compile_fx",
     "compile_fx_inner",
     "counters",
+    "current_compile_id",
     "hash_sources",
     "flat_optimizer_state",
     "gloo_one_worker_thread",
+    "group_store",
+    "group_timeout",
     "get_optimizer_state_dict",
     "inductor_config",
     "is_backward_compile",
@@ -127,6 +131,25 @@ def flat_optimizer_state() -> Any:
 c10d_functional: Any = torch.ops._c10d_functional
 """The functional collectives' op namespace (``all_gather_into_tensor``, ``wait_tensor``, ...). Their
 ``group_name`` argument is a ``str`` on 2.11 (``Any`` on 2.13): always pass a string."""
+
+
+def current_compile_id() -> str:
+    """Dynamo's id of the compilation in progress ("frame/recompile", e.g. "0/1"), or "?" outside one."""
+    compile_id = _need("torch._guards", "CompileContext").current_compile_id()
+    return "?" if compile_id is None else str(compile_id)
+
+
+def group_store(group: Any) -> Any:
+    """The store ``group`` was created with (a ``PrefixStore`` of its own: keys do not collide across groups)."""
+    return _need("torch.distributed.distributed_c10d", "_get_process_group_store")(group)
+
+
+def group_timeout(group: Any, device: torch.device) -> datetime.timedelta:
+    """How long ``group``'s collectives on ``device`` wait for the other ranks (its backend's timeout)."""
+    try:
+        return group._get_backend(device).options._timeout  # type: ignore[no-any-return]
+    except (AttributeError, RuntimeError):  # a backend without options: torch's default for every group
+        return _need("torch.distributed.distributed_c10d", "default_pg_timeout")  # type: ignore[no-any-return]
 
 
 def is_sharded_tensor(value: object) -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_compile._agree import agree
 from fsdp_compile._layout import ParamSlot
 from fsdp_compile._sharded_state_dict import local_state_dict
 from fsdp_compile._unit import UnitState, sharded_units
@@ -85,14 +86,15 @@ def load_full_state_dict(module: nn.Module, state_dict: Mapping[str, torch.Tenso
             value.copy_(state_dict[key])
 
 
-def _per_element_keys(optimizer: torch.optim.Optimizer, pieces: list[nn.Parameter]) -> list[str]:
-    """State entries shaped like their parameter (exp_avg, momentum_buffer, ...), in a rank-independent order."""
-    keys: set[str] = set()
-    for piece in pieces:
-        for key, value in optimizer.state.get(piece, {}).items():
-            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == piece.shape:
-                keys.add(key)
-    return sorted(keys)
+def _per_element_states(optimizer: torch.optim.Optimizer, unit: UnitState) -> list[tuple[str, torch.Tensor]]:
+    """The unit's state entries shaped like their parameter (exp_avg, momentum_buffer, ...), each with one of
+    its tensors on this rank, in a rank-independent order (by key)."""
+    found: dict[str, torch.Tensor] = {}
+    for piece in unit.pieces:
+        for key, value in optimizer.state.get(piece.param, {}).items():
+            if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape == piece.param.shape:
+                found.setdefault(key, value)
+    return sorted(found.items())
 
 
 def _with_params(group: Mapping[str, Any], params: list[Any]) -> dict[str, Any]:
@@ -113,11 +115,24 @@ def full_optimizer_state_dict(
     ``cpu_offload`` as in :func:`full_state_dict`."""
     keep = not rank0_only or _is_group_rank0(module)
     names = _names(module)
+    units = sharded_units(module)
+    per_unit = [_per_element_states(optimizer, unit) for unit in units]
+    agree(
+        units[0].group,
+        units[0].flat.device,
+        "full_optimizer_state_dict",
+        [
+            f"all-gather of optimizer state {key!r} ({like.dtype}) of unit {unit.layout.fqn!r}"
+            for unit, entries in zip(units, per_unit)
+            for key, like in entries
+        ],
+        hint="The optimizer's state must have the same entries on every rank: build the optimizer the same way "
+        "everywhere, step it on every rank, and load a state dict on every rank or on none",
+    )
     state_out: dict[str, dict[str, Any]] = {}
-    for unit in sharded_units(module):
+    for unit, entries in zip(units, per_unit):
         pieces = [piece.param for piece in unit.pieces]
-        for key in _per_element_keys(optimizer, pieces):
-            like = next(optimizer.state[p][key] for p in pieces if key in optimizer.state.get(p, {}))
+        for key, like in entries:
             values = unit.all_gather_pieces_nograd(lambda piece: optimizer.state.get(piece, {}).get(key), like)
             for piece, value in zip(pieces, values):
                 if keep and piece in optimizer.state:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import NamedTuple, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,10 @@ from fsdp_compile._ops import (
     unshard,
 )
 
-__all__ = ["Piece", "UnitState", "is_sharded", "register_units", "sharded_units", "unit_of_shard", "weak_hook"]
+__all__ = ["Piece", "UnitState", "is_sharded", "register_units", "sharded_units", "unit_of_shard", "weak_method"]
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 UNITS_ATTR = "_fsdp_compile_units"
 """On the module shard() was called on: its units, in order."""
@@ -78,8 +81,8 @@ class UnitState:
         self.accum: torch.Tensor | None = None
         """Gradient sync off: a full-size leaf in reduce_dtype whose .grad accumulates the unreduced gradient."""
         self.eager = EagerUnit(
-            self.cast_all_gather_differentiable,
-            lambda: self.flat._version,
+            weak_method(self.cast_all_gather_differentiable),
+            weak_method(self.shard_version),
             reshard=self.world_size > 1 and reshard_after_forward,
         )
         """Eager mode (the unit's forward hooks and saved-tensor hooks)."""
@@ -87,6 +90,18 @@ class UnitState:
     def __repr__(self) -> str:
         name = self.layout.fqn or "<root>"
         return f"UnitState({name!r}, params={len(self.layout.slots)}, shard={self.layout.shard_numel})"
+
+    def shard_version(self) -> int:
+        """The flat shard's tensor version: an in-place update (an optimizer step) changes it."""
+        return self.flat._version
+
+    def describe_gather(self) -> str:
+        """The unit's all-gather and gradient reduction, as the ranks compare them (``fsdp_compile._agree``)."""
+        return (
+            f"all-gather of unit {self.layout.fqn or '<root>'!r} ({self.layout.padded_numel} elements in "
+            f"{self.param_dtype}; gradients by {self.grad_reduction} in {self.reduce_dtype}) over group "
+            f"{self.group_name!r} of {self.world_size}"
+        )
 
     def cast_all_gather_differentiable(self) -> torch.Tensor:
         """All-gather the whole unit in ``param_dtype`` in eager mode, differentiable like the compiled graphs."""
@@ -137,7 +152,7 @@ class UnitState:
             # A stride-0 view of one element: a leaf of full shape that costs no memory until it has a grad.
             zero = torch.zeros((), dtype=self.reduce_dtype, device=self.flat.device)
             self.accum = zero.expand(self.layout.padded_numel).requires_grad_()
-            self.accum.register_post_accumulate_grad_hook(weak_hook(self._reduce_accumulated))
+            self.accum.register_post_accumulate_grad_hook(weak_method(self._reduce_accumulated))
 
     def _reduce_accumulated(self, accum: torch.Tensor) -> None:
         """Post-accumulate hook of ``accum``: on the micro-batch that syncs, reduce-scatter once."""
@@ -166,16 +181,18 @@ class UnitState:
                 piece.param.grad.add_(grad[piece.lo : piece.hi])
 
 
-def weak_hook(method: Callable[[torch.Tensor], None]) -> Callable[[torch.Tensor], None]:
-    """A tensor hook that calls ``method`` without keeping its object alive (see ``_units_by_shard``)."""
+def weak_method(method: Callable[P, R]) -> Callable[P, R | None]:
+    """``method``, called without keeping its object alive (None once the object is gone). For what a unit
+    hands to its tensors' hooks and to its own eager state: strong references would make cycles that only
+    the garbage collector breaks, late, and a deleted model's shards and process group would outlive it
+    (see ``_units_by_shard``)."""
     ref = weakref.WeakMethod(method)
 
-    def hook(tensor: torch.Tensor) -> None:
+    def call(*args: P.args, **kwargs: P.kwargs) -> R | None:
         bound = ref()
-        if bound is not None:
-            bound(tensor)
+        return None if bound is None else bound(*args, **kwargs)
 
-    return hook
+    return call
 
 
 def register_units(module: nn.Module, states: list[UnitState]) -> None:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import gc
 import time
 import weakref
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -111,10 +113,8 @@ class _FailingBlock(Block):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
-def _train_through_an_exception(rank: int, world_size: int) -> None:
+def _train_through_an_exception(rank: int, world_size: int, compiled: bool) -> None:
     import copy
-
-    import pytest
 
     from fsdp_compile.testing.reference import reference_step, rel_error
 
@@ -124,6 +124,7 @@ def _train_through_an_exception(rank: int, world_size: int) -> None:
     for layer in model.layers:
         layer.__class__ = _FailingBlock
     fsdp_compile.shard(model, units=[Block])
+    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager")) if compiled else model
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-3), torch.optim.AdamW(ref.parameters(), lr=1e-3)
     units = fsdp_compile.sharded_units(model)
 
@@ -136,12 +137,12 @@ def _train_through_an_exception(rank: int, world_size: int) -> None:
         if step == 1:  # the training loop catches the error and goes on with the next batch
             _FailingBlock.fail = True
             with pytest.raises(RuntimeError, match="bad batch") as failure:  # kept, as a loop that logs it would
-                model(local[:, :-1], local[:, 1:])
+                run(local[:, :-1], local[:, 1:])
             _FailingBlock.fail = False
             assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None, "saved-tensor hooks left installed"
             assert not live_gathers and all(u.eager.gathered is None and u.eager.regathered is None for u in units)
             continue
-        loss = model(local[:, :-1], local[:, 1:])
+        loss = run(local[:, :-1], local[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -151,6 +152,8 @@ def _train_through_an_exception(rank: int, world_size: int) -> None:
         full, want = fsdp_compile.full_state_dict(model), ref.state_dict()
         worst = max(rel_error(full[k], v) for k, v in want.items())
         assert worst <= 1e-10, (step, worst)
+    if compiled:  # the rest is about eager mode's saved views
+        return
     # While the exception is kept, its traceback keeps the failed forward's saved views: they only keep a
     # gathered buffer alive (never read once the shard has changed: it is gathered again). Then all goes.
     assert any(u.eager.pending for u in units)
@@ -163,5 +166,22 @@ def _train_through_an_exception(rank: int, world_size: int) -> None:
     assert all(u.eager.pending == 0 for u in units)
 
 
-def test_an_exception_in_a_units_forward_leaves_the_model_trainable() -> None:
-    spawn_ranks(_train_through_an_exception, 2)
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_an_exception_in_a_units_forward_leaves_the_model_trainable(compiled: bool) -> None:
+    spawn_ranks(_train_through_an_exception, 2, compiled)
+
+
+def test_a_deleted_model_is_freed_at_once_and_a_backward_after_it_says_why_it_cannot_run(fake_pg: None) -> None:
+    gc.disable()  # no cycle left for the garbage collector: reference counting alone frees the units
+    try:
+        model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
+        model(tokens[:, :-1], tokens[:, 1:]).backward()
+        units = [weakref.ref(u) for u in fsdp_compile.sharded_units(model)]
+        loss = model(tokens[:, :-1], tokens[:, 1:])
+        del model
+        assert all(u() is None for u in units)
+        with pytest.raises(RuntimeError, match="a sharded model deleted since its forward: keep the model"):
+            loss.backward()
+    finally:
+        gc.enable()

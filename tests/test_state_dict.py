@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import fsdp_compile
+from fsdp_compile._agree import RanksDisagree
 from fsdp_compile.testing.dist import spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY
 from fsdp_compile.testing.reference import assert_bitwise
@@ -79,9 +80,19 @@ def _bad_loads(rank: int, world_size: int) -> None:
         fsdp_compile.load_full_state_dict(model, {k: v + 1 if k == "norm.weight" else w for k, v, w in
                                                   ((k, sd[k], wrong[k]) for k in sd)})
     assert_bitwise(fsdp_compile.full_state_dict(model), before)  # nothing half-loaded
+    # An optimizer state that differs across ranks: refused on every rank before any state is gathered.
+    if rank == 1:
+        unit = next(u for u in fsdp_compile.sharded_units(model) if u.layout.fqn == "layers.2")
+        for piece in unit.pieces:
+            del opt.state[piece.param]["exp_avg_sq"]
+    with pytest.raises(RanksDisagree) as error:
+        fsdp_compile.full_optimizer_state_dict(model, opt)
+    for part in ("collective #8", "state 'exp_avg_sq' (torch.float32) of unit 'layers.2'",
+                 "state 'exp_avg' (torch.float32) of unit 'layers.3'", "step it on every rank"):
+        assert part in str(error.value), (part, str(error.value))
 
 
-def test_bad_state_dicts_are_refused_and_nothing_is_loaded() -> None:
+def test_bad_state_dicts_and_rank_dependent_optimizer_states_are_refused() -> None:
     spawn_ranks(_bad_loads, 2)
 
 

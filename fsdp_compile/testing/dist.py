@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 from collections.abc import Callable
@@ -31,11 +32,13 @@ def _run(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., 
     dist.init_process_group(backend, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
-        # Compiled code goes before the group: CUDA graphs hold the group's captured collectives (a rank
-        # stopped in teardown after a CUDA-graph test, twice, with them alive).
+        # Everything that holds the group goes before it: compiled code (CUDA graphs hold the group's
+        # captured collectives; a rank stopped in teardown after a CUDA-graph test, twice, with them alive),
+        # then whatever reference cycles `fn` left. Otherwise destroy_process_group() only unregisters the
+        # group, and its C++ object, with gloo's worker and socket threads, lives on into the interpreter's
+        # shutdown, where tearing it down aborted a rank ("terminate called without an active exception").
         torch._dynamo.reset()
-        # Tear down together: a rank that destroys its group while a peer still talks to it can abort
-        # (seen once with gloo: "terminate called without an active exception").
+        gc.collect()
         dist.barrier()
     finally:
         dist.destroy_process_group()

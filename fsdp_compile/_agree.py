@@ -1,0 +1,150 @@
+"""Rank consistency: before collectives that every rank must issue alike, the ranks compare them through the
+process group's store and raise an error naming the first difference, instead of hanging in mismatched
+collectives until the transport times out.
+
+Checked: each compiled graph's all-gathers (once per compilation), eager mode's gathers until a first
+forward completes, and the optimizer-state keys a full optimizer state dict gathers. The protocol, and why
+it never waits for a rank that compiled the same collectives earlier: [Note: rank consistency] in
+docs/architecture.md.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_compile import _internals
+
+if TYPE_CHECKING:
+    from fsdp_compile._unit import UnitState
+
+__all__ = ["EagerFirstForward", "RanksDisagree", "agree"]
+
+_PREFIX = "fsdp_compile/agree/"
+_FAILED = "failed:"
+
+
+class RanksDisagree(RuntimeError):
+    """The ranks would issue different collectives (and hang in them)."""
+
+
+MODEL_HINT = (
+    "Every rank must run the same model, sharded the same way, with control flow that does not depend on the "
+    "rank or its data (a layer used only for some input shapes, a rank-dependent model)"
+)
+
+
+def agree(
+    group: dist.ProcessGroup, device: torch.device, what: str, collectives: Sequence[str], hint: str = MODEL_HINT
+) -> None:
+    """Return once every rank of ``group`` has published the same ``collectives`` (descriptions, in the order
+    they will be issued) for ``what``, now or at an earlier call. Raise :class:`RanksDisagree` on every rank,
+    naming the first difference and ending with ``hint`` (how to fix it), as soon as some rank is stuck
+    waiting for a list this rank never published (a wait that cannot end), or after the group's timeout."""
+    world_size = dist.get_world_size(group)
+    if world_size == 1 or dist.get_backend(group) == "fake":
+        return
+    store = _internals.group_store(group)
+    rank = dist.get_rank(group)
+    text = json.dumps(list(collectives))
+    digest = hashlib.sha256(text.encode()).hexdigest()[:32]
+    if not store.check([_PREFIX + "list/" + digest]):
+        store.set(_PREFIX + "list/" + digest, text)
+    store.set(f"{_PREFIX}has/{digest}/{rank}", "1")
+    store.set(f"{_PREFIX}waiting/{rank}", digest)
+    wanted = [f"{_PREFIX}has/{digest}/{q}" for q in range(world_size)]
+    timeout = _internals.group_timeout(group, device).total_seconds()
+    start = time.monotonic()
+    pause = 0.001
+    while not store.check(wanted):
+        missing = [q for q in range(world_size) if not store.check([wanted[q]])]
+        stuck = _stuck_rank(store, missing, rank)
+        waited = time.monotonic() - start
+        if stuck is not None or waited > timeout:
+            store.set(f"{_PREFIX}waiting/{rank}", _FAILED + digest)
+            raise RanksDisagree(_message(store, what, rank, collectives, stuck, missing, waited) + hint)
+        time.sleep(pause)
+        pause = min(2 * pause, 0.05)
+    store.set(f"{_PREFIX}waiting/{rank}", "")
+
+
+def _status(store: Any, rank: int) -> str:
+    key = f"{_PREFIX}waiting/{rank}"
+    return store.get(key).decode() if store.check([key]) else ""
+
+
+def _stuck_rank(store: Any, missing: list[int], rank: int) -> int | None:
+    """One of the ``missing`` ranks (those that have not published this rank's list) that never will: it waits
+    for a list this rank (itself waiting) never published, or it gave up. None while they all still could."""
+    for other in missing:
+        status = _status(store, other)
+        if status.startswith(_FAILED):
+            return other
+        if status and not store.check([f"{_PREFIX}has/{status}/{rank}"]):
+            return other
+    return None
+
+
+def _published(store: Any, rank: int) -> list[str] | None:
+    digest = _status(store, rank).removeprefix(_FAILED)
+    return json.loads(store.get(_PREFIX + "list/" + digest)) if digest else None
+
+
+def _message(
+    store: Any, what: str, rank: int, mine: Sequence[str], stuck: int | None, missing: list[int], waited: float
+) -> str:
+    if stuck is None:
+        return (
+            f"fsdp_compile: rank {rank} waited {waited:.0f} s (the process group's timeout) for the other ranks to "
+            f"reach the same collectives for {what}; ranks {missing} never did (stuck elsewhere, or gone). "
+        )
+    theirs = _published(store, stuck)
+    if theirs is None:
+        return f"fsdp_compile: rank {stuck} gave up before rank {rank} reached {what}. "
+    index = next((i for i, (a, b) in enumerate(zip(mine, theirs)) if a != b), min(len(mine), len(theirs)))
+    rank_a = mine[index] if index < len(mine) else f"none (it issues {len(mine)})"
+    rank_b = theirs[index] if index < len(theirs) else f"none (it issues {len(theirs)})"
+    return (
+        f"fsdp_compile: the ranks' collectives differ, so they would hang in {what}. First difference, "
+        f"collective #{index + 1}: rank {rank}: {rank_a}; rank {stuck}: {rank_b}. "
+    )
+
+
+class EagerFirstForward:
+    """Eager mode's check: before each unit's gather, and at the end of the root's forward, the ranks agree on
+    the gathers so far, until a forward completes (one that raises is followed by more checked gathers);
+    then the hooks are removed: no cost in later steps. Compiled graphs are checked by the backend."""
+
+    _END = "the end of the forward (no more gathers)"
+
+    def __init__(self, root: nn.Module, states: Sequence[UnitState]) -> None:
+        self.group = states[0].group
+        self.device = states[0].flat.device
+        self.gathers: list[str] = []
+        self.handles = [root.register_forward_hook(self._end)]
+        for state in states:
+            unit_module = root.get_submodule(state.layout.fqn)
+            self.handles.append(unit_module.register_forward_pre_hook(functools.partial(self._gather, state), prepend=True))
+
+    def _agree(self, event: str) -> None:
+        self.gathers.append(event)
+        agree(self.group, self.device, "eager mode's first forward", self.gathers)
+
+    def _gather(self, state: UnitState, module: nn.Module, args: Any) -> None:
+        if not torch.compiler.is_compiling():
+            self._agree(state.describe_gather())
+
+    def _end(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling():
+            return
+        self._agree(self._END)
+        for handle in self.handles:
+            handle.remove()

@@ -1,0 +1,113 @@
+"""Ranks that would issue different collectives fail at once, on every rank, with an error naming the first
+difference, instead of hanging until the transport times out (gloo ranks)."""
+
+from __future__ import annotations
+
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch._dynamo.exc import BackendCompilerFailed
+
+import fsdp_compile
+from fsdp_compile._agree import RanksDisagree, agree
+from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
+
+FAIL_WITHIN_S = 60.0
+
+
+class ShortInputsSkipTheLastBlock(Llama):
+    """A model whose path depends on the input shape: sequences shorter than 8 tokens skip the last block."""
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        s = tokens.shape[1]
+        x = self.tok_embeddings(tokens)
+        cos, sin = self.rope_cos[:s], self.rope_sin[:s]
+        for layer in self.layers[: len(self.layers) - int(s < 8)]:
+            x = layer(x, cos, sin)
+        return F.cross_entropy(self.output(self.norm(x)).flatten(0, 1), targets.flatten())
+
+
+def _step_must_fail(model: torch.nn.Module, compiled: bool, seq_len: int, expect: list[str]) -> None:
+    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager")) if compiled else model
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, seq_len + 1))
+    start = time.monotonic()
+    # Compiled: Dynamo wraps what the backend raised (BackendCompilerFailed, with the message).
+    with pytest.raises(RanksDisagree if not compiled else BackendCompilerFailed) as error:
+        run(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert time.monotonic() - start < FAIL_WITHIN_S
+    assert isinstance(getattr(error.value, "inner_exception", error.value), RanksDisagree)
+    message = str(error.value)
+    assert "the ranks' collectives differ" in message, message
+    for part in expect:
+        assert part in message, (part, message)
+
+
+def _extra_layer(rank: int, world_size: int, compiled: bool) -> None:
+    config = LlamaConfig(**{**LLAMA_TINY.__dict__, "n_layers": LLAMA_TINY.n_layers + rank})
+    model = fsdp_compile.shard(Llama(config), units=[Block])
+    rank_0_has = "none (it issues 5)" if compiled else "the end of the forward"
+    _step_must_fail(model, compiled, 8, ["collective #6", "all-gather of unit 'layers.4'", rank_0_has])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_rank_with_an_extra_layer_fails_on_every_rank_naming_the_first_difference(compiled: bool) -> None:
+    spawn_ranks(_extra_layer, 2, compiled)
+
+
+def _rank_dependent_shape(rank: int, world_size: int, compiled: bool) -> None:
+    torch.manual_seed(0)
+    model = fsdp_compile.shard(ShortInputsSkipTheLastBlock(LLAMA_TINY), units=[Block])
+    rank_0_has = "none (it issues 4)" if compiled else "the end of the forward"
+    _step_must_fail(model, compiled, 6 + 4 * rank, ["collective #5", "all-gather of unit 'layers.3'", rank_0_has])
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_rank_dependent_input_shape_that_changes_the_collectives_fails_on_every_rank(compiled: bool) -> None:
+    spawn_ranks(_rank_dependent_shape, 2, compiled)
+
+
+def _shapes_differ_collectives_agree(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))
+    # Rank 1's second batch is shorter: it recompiles alone, to the same collectives, which every rank has
+    # agreed on already, so it does not wait for the others to compile them again.
+    for seq_len in (8, 8 - 2 * rank, 8):
+        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, seq_len + 1))
+        run(tokens[:, :-1], tokens[:, 1:]).backward()
+
+
+def test_rank_dependent_shapes_with_the_same_collectives_train() -> None:
+    spawn_ranks(_shapes_differ_collectives_agree, 2)
+
+
+def _agree_protocol(rank: int, world_size: int) -> None:
+    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    cpu = torch.device("cpu")
+    agree(group, cpu, "a first list", ["a", "b"])
+    # A list every rank published before: returns at once, whatever the others do.
+    if rank == 1:
+        start = time.monotonic()
+        agree(group, cpu, "the first list again", ["a", "b"])
+        assert time.monotonic() - start < 0.5
+    dist.barrier()
+    # Rank 1 never publishes: the others wait for the group's timeout, then say which rank never came.
+    if rank != 1:
+        with pytest.raises(RanksDisagree, match=r"waited 3 s .* ranks \[1\] never did"):
+            agree(group, cpu, "a list rank 1 skips", ["z"])
+    dist.barrier()
+    # Rank 2 publishes another list: every rank raises at once, naming collective #2 of both.
+    start = time.monotonic()
+    with pytest.raises(RanksDisagree, match=r"collective #2: rank \d: (b|x); rank \d: (x|b)"):
+        agree(group, cpu, "a list that differs", ["a", "x"] if rank == 2 else ["a", "b", "y"])
+    assert time.monotonic() - start < 2.0
+    dist.barrier()
+
+
+def test_agree_waits_only_while_the_lists_can_still_match() -> None:
+    spawn_ranks(_agree_protocol, 3)
