@@ -4,6 +4,7 @@
     model = torch.compile(model, backend="fsdp_compile")
 """
 
+from fsdp_compile._agree import RanksDisagree
 from fsdp_compile._backend import backend
 from fsdp_compile._clip_grad_norm import clip_grad_norm_
 from fsdp_compile._describe import ShardingSummary, describe, sync_buffers
@@ -21,6 +22,7 @@ from fsdp_compile.config import BackendConfig, MixedPrecision
 __all__ = [
     "BackendConfig",
     "MixedPrecision",
+    "RanksDisagree",
     "ShardingSummary",
     "backend",
     "clip_grad_norm_",

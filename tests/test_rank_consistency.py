@@ -4,6 +4,7 @@ difference, instead of hanging until the transport times out (gloo ranks)."""
 from __future__ import annotations
 
 import datetime
+import os
 import time
 
 import pytest
@@ -11,9 +12,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch._dynamo.exc import BackendCompilerFailed
+from torch._dynamo.utils import counters
 
 import fsdp_compile
-from fsdp_compile._agree import RanksDisagree, agree
+from fsdp_compile._agree import agree
 from fsdp_compile.testing.dist import spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
 
@@ -34,22 +36,23 @@ class ShortInputsSkipTheLastBlock(Llama):
 
 def _step_must_fail(model: torch.nn.Module, compiled: bool, seq_len: int, expect: list[str]) -> None:
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager")) if compiled else model
-    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, seq_len + 1))
+    device = next(model.parameters()).device
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, seq_len + 1), device=device)
     start = time.monotonic()
     # Compiled: Dynamo wraps what the backend raised (BackendCompilerFailed, with the message).
-    with pytest.raises(RanksDisagree if not compiled else BackendCompilerFailed) as error:
+    with pytest.raises(fsdp_compile.RanksDisagree if not compiled else BackendCompilerFailed) as error:
         run(tokens[:, :-1], tokens[:, 1:]).backward()
     assert time.monotonic() - start < FAIL_WITHIN_S
-    assert isinstance(getattr(error.value, "inner_exception", error.value), RanksDisagree)
+    assert isinstance(getattr(error.value, "inner_exception", error.value), fsdp_compile.RanksDisagree)
     message = str(error.value)
     assert "the ranks' collectives differ" in message, message
     for part in expect:
         assert part in message, (part, message)
 
 
-def _extra_layer(rank: int, world_size: int, compiled: bool) -> None:
+def _extra_layer(rank: int, world_size: int, compiled: bool, device: str = "cpu") -> None:
     config = LlamaConfig(**{**LLAMA_TINY.__dict__, "n_layers": LLAMA_TINY.n_layers + rank})
-    model = fsdp_compile.shard(Llama(config), units=[Block])
+    model = fsdp_compile.shard(Llama(config).to(device), units=[Block])
     rank_0_has = "none (it issues 5)" if compiled else "the end of the forward"
     _step_must_fail(model, compiled, 8, ["collective #6", "all-gather of unit 'layers.4'", rank_0_has])
 
@@ -57,6 +60,13 @@ def _extra_layer(rank: int, world_size: int, compiled: bool) -> None:
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_rank_with_an_extra_layer_fails_on_every_rank_naming_the_first_difference(compiled: bool) -> None:
     spawn_ranks(_extra_layer, 2, compiled)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_on_nccl_too_a_rank_with_an_extra_layer_fails_at_once_not_after_the_watchdog(compiled: bool) -> None:
+    spawn_ranks(_extra_layer, 2, compiled, "cuda", backend="nccl")
 
 
 def _rank_dependent_shape(rank: int, world_size: int, compiled: bool) -> None:
@@ -77,9 +87,12 @@ def _shapes_differ_collectives_agree(rank: int, world_size: int) -> None:
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))
     # Rank 1's second batch is shorter: it recompiles alone, to the same collectives, which every rank has
     # agreed on already, so it does not wait for the others to compile them again.
+    counters.clear()
     for seq_len in (8, 8 - 2 * rank, 8):
         tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, seq_len + 1))
         run(tokens[:, :-1], tokens[:, 1:]).backward()
+    graphs = counters["fsdp_compile"]["all_gathers"] // (LLAMA_TINY.n_layers + 1)
+    assert graphs == 1 + rank, graphs  # rank 1 did compile alone
 
 
 def test_rank_dependent_shapes_with_the_same_collectives_train() -> None:
@@ -87,27 +100,49 @@ def test_rank_dependent_shapes_with_the_same_collectives_train() -> None:
 
 
 def _agree_protocol(rank: int, world_size: int) -> None:
-    group = dist.new_group(timeout=datetime.timedelta(seconds=3))
+    group = dist.new_group(timeout=datetime.timedelta(seconds=FAIL_WITHIN_S))
     cpu = torch.device("cpu")
     agree(group, cpu, "a first list", ["a", "b"])
-    # A list every rank published before: returns at once, whatever the others do.
+    # A list every rank published before returns at once: had rank 1 waited for the others, which wait for it
+    # in the barrier, it would have raised after the group's timeout.
     if rank == 1:
-        start = time.monotonic()
         agree(group, cpu, "the first list again", ["a", "b"])
-        assert time.monotonic() - start < 0.5
+    dist.barrier()
+    # Rank 2 publishes another list: every rank raises, naming collective #2 of both, before the timeout.
+    start = time.monotonic()
+    with pytest.raises(fsdp_compile.RanksDisagree, match=r"collective #2: rank \d: (b|x); rank \d: (x|b)"):
+        agree(group, cpu, "a list that differs", ["a", "x"] if rank == 2 else ["a", "b", "y"])
+    assert time.monotonic() - start < FAIL_WITHIN_S / 2
     dist.barrier()
     # Rank 1 never publishes: the others wait for the group's timeout, then say which rank never came.
+    quick = dist.new_group(timeout=datetime.timedelta(seconds=3))
     if rank != 1:
-        with pytest.raises(RanksDisagree, match=r"waited 3 s .* ranks \[1\] never did"):
-            agree(group, cpu, "a list rank 1 skips", ["z"])
-    dist.barrier()
-    # Rank 2 publishes another list: every rank raises at once, naming collective #2 of both.
-    start = time.monotonic()
-    with pytest.raises(RanksDisagree, match=r"collective #2: rank \d: (b|x); rank \d: (x|b)"):
-        agree(group, cpu, "a list that differs", ["a", "x"] if rank == 2 else ["a", "b", "y"])
-    assert time.monotonic() - start < 2.0
+        with pytest.raises(fsdp_compile.RanksDisagree, match=r"waited 3 s .* ranks \[1\] never did"):
+            agree(quick, cpu, "a list rank 1 skips", ["z"])
     dist.barrier()
 
 
 def test_agree_waits_only_while_the_lists_can_still_match() -> None:
     spawn_ranks(_agree_protocol, 3)
+
+
+def _rank_1_dies(rank: int, world_size: int, compiled: bool) -> None:
+    torch.manual_seed(0)
+    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager")) if compiled else model
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
+    run(tokens[:, :-1], tokens[:, 1:]).backward()
+    if rank == 1:
+        os._exit(0)  # gone in the middle of training, without a word (exit code 0: the harness waits for rank 0)
+    # Rank 0's next collective fails at once, with gloo's word for it ("Connection closed by peer" or "reset
+    # by peer": "typically caused by a remote worker crashing. Check the logs of the remote worker").
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="(closed|reset) by peer.*remote worker"):
+        run(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert time.monotonic() - start < FAIL_WITHIN_S
+    os._exit(0)  # no teardown: it would wait for rank 1 in a barrier
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_rank_that_dies_makes_the_others_fail_with_a_clear_error(compiled: bool) -> None:
+    spawn_ranks(_rank_1_dies, 2, compiled)

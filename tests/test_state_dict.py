@@ -8,7 +8,6 @@ import pytest
 import torch
 
 import fsdp_compile
-from fsdp_compile._agree import RanksDisagree
 from fsdp_compile.testing.dist import spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY
 from fsdp_compile.testing.reference import assert_bitwise
@@ -85,7 +84,7 @@ def _bad_loads(rank: int, world_size: int) -> None:
         unit = next(u for u in fsdp_compile.sharded_units(model) if u.layout.fqn == "layers.2")
         for piece in unit.pieces:
             del opt.state[piece.param]["exp_avg_sq"]
-    with pytest.raises(RanksDisagree) as error:
+    with pytest.raises(fsdp_compile.RanksDisagree) as error:
         fsdp_compile.full_optimizer_state_dict(model, opt)
     for part in ("collective #8", "state 'exp_avg_sq' (torch.float32) of unit 'layers.2'",
                  "state 'exp_avg' (torch.float32) of unit 'layers.3'", "step it on every rank"):
