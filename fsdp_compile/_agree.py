@@ -10,7 +10,6 @@ docs/architecture.md.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 import time
@@ -120,8 +119,10 @@ def _message(
 
 class EagerFirstForward:
     """Eager mode's check: before each unit's gather, and at the end of the root's forward, the ranks agree on
-    the gathers so far, until a forward completes (one that raises is followed by more checked gathers);
-    then the hooks are removed: no cost in later steps. Compiled graphs are checked by the backend."""
+    the gathers so far, until a forward completes (one that raises is followed by more checked gathers).
+    After that its hooks return at once. Compiled graphs are checked by the backend; the hooks stay
+    installed (Dynamo guards on a module's hooks: removing them would recompile), as callable objects,
+    like ``_CheckParametersSharded``."""
 
     _END = "the end of the forward (no more gathers)"
 
@@ -129,22 +130,37 @@ class EagerFirstForward:
         self.group = states[0].group
         self.device = states[0].flat.device
         self.gathers: list[str] = []
-        self.handles = [root.register_forward_hook(self._end)]
+        self.done = False
+        root.register_forward_hook(_EndOfForward(self))
         for state in states:
-            unit_module = root.get_submodule(state.layout.fqn)
-            self.handles.append(unit_module.register_forward_pre_hook(functools.partial(self._gather, state), prepend=True))
+            root.get_submodule(state.layout.fqn).register_forward_pre_hook(_BeforeGather(self, state), prepend=True)
 
-    def _agree(self, event: str) -> None:
+    def agree_on(self, event: str) -> None:
         self.gathers.append(event)
         agree(self.group, self.device, "eager mode's first forward", self.gathers)
 
-    def _gather(self, state: UnitState, module: nn.Module, args: Any) -> None:
-        if not torch.compiler.is_compiling():
-            self._agree(state.describe_gather())
 
-    def _end(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling():
+class _BeforeGather:
+    """Forward pre-hook of a unit, before the unit's own (which gathers it)."""
+
+    def __init__(self, check: EagerFirstForward, state: UnitState) -> None:
+        self.check = check
+        self.gather = state.describe_gather()
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if torch.compiler.is_compiling() or self.check.done:
             return
-        self._agree(self._END)
-        for handle in self.handles:
-            handle.remove()
+        self.check.agree_on(self.gather)
+
+
+class _EndOfForward:
+    """Forward hook of the root: the forward completed."""
+
+    def __init__(self, check: EagerFirstForward) -> None:
+        self.check = check
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        if torch.compiler.is_compiling() or self.check.done:
+            return
+        self.check.agree_on(EagerFirstForward._END)
+        self.check.done = True
