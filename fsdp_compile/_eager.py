@@ -66,9 +66,9 @@ class EagerUnit:
 
     ``gather`` all-gathers the unit (differentiable, cast to ``param_dtype``); ``version`` tells whether the
     shard changed since (its tensor version: an optimizer step bumps it). Both may be weak (return None once
-    the unit's state is gone). ``reshard``: drop the gathered
-    buffer after the unit's forward and gather again in backward (off for units kept gathered, and for a
-    group of one rank, whose "gather" is the shard itself)."""
+    the unit's state is gone). ``reshard``: drop the gathered buffer after the unit's forward and gather
+    again in backward (off for units kept gathered, and for a group of one rank, whose "gather" is the shard
+    itself)."""
 
     def __init__(
         self, gather: Callable[[], torch.Tensor | None], version: Callable[[], int | None], *, reshard: bool

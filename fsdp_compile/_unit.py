@@ -85,7 +85,8 @@ class UnitState:
             weak_method(self.shard_version),
             reshard=self.world_size > 1 and reshard_after_forward,
         )
-        """Eager mode (the unit's forward hooks and saved-tensor hooks)."""
+        """Eager mode (the unit's forward hooks and saved-tensor hooks). It calls back into this unit weakly: no
+        cycle, so a deleted model is freed by reference counting ([Note: eager gather and reshard])."""
 
     def __repr__(self) -> str:
         name = self.layout.fqn or "<root>"
