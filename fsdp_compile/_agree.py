@@ -121,8 +121,9 @@ class EagerFirstForward:
     """Eager mode's check: before each unit's gather, and at the end of the root's forward, the ranks agree on
     the gathers so far, until a forward completes (one that raises is followed by more checked gathers).
     After that its hooks return at once. Compiled graphs are checked by the backend; the hooks stay
-    installed (Dynamo guards on a module's hooks: removing them would recompile), as callable objects,
-    like ``_CheckParametersSharded``."""
+    installed (Dynamo guards on a module's hooks: removing them would recompile). They are bound methods:
+    torch 2.11's Dynamo guards a hook it traces through ``hook.__func__``, which a callable object or a
+    ``functools.partial`` lacks. Made before the units' own hooks, which must run after them."""
 
     _END = "the end of the forward (no more gathers)"
 
@@ -131,36 +132,31 @@ class EagerFirstForward:
         self.device = states[0].flat.device
         self.gathers: list[str] = []
         self.done = False
-        root.register_forward_hook(_EndOfForward(self))
+        root.register_forward_hook(self.end_of_forward)
         for state in states:
-            root.get_submodule(state.layout.fqn).register_forward_pre_hook(_BeforeGather(self, state), prepend=True)
+            before = _BeforeGather(self, state.describe_gather())
+            root.get_submodule(state.layout.fqn).register_forward_pre_hook(before.hook)
 
     def agree_on(self, event: str) -> None:
         self.gathers.append(event)
         agree(self.group, self.device, "eager mode's first forward", self.gathers)
 
+    def end_of_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook of the root: the forward completed."""
+        if torch.compiler.is_compiling() or self.done:
+            return
+        self.agree_on(self._END)
+        self.done = True
+
 
 class _BeforeGather:
-    """Forward pre-hook of a unit, before the unit's own (which gathers it)."""
+    """Its ``hook``: the forward pre-hook of a unit, before the unit's own (which gathers it)."""
 
-    def __init__(self, check: EagerFirstForward, state: UnitState) -> None:
+    def __init__(self, check: EagerFirstForward, gather: str) -> None:
         self.check = check
-        self.gather = state.describe_gather()
+        self.gather = gather
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def hook(self, module: nn.Module, args: Any) -> None:
         if torch.compiler.is_compiling() or self.check.done:
             return
         self.check.agree_on(self.gather)
-
-
-class _EndOfForward:
-    """Forward hook of the root: the forward completed."""
-
-    def __init__(self, check: EagerFirstForward) -> None:
-        self.check = check
-
-    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or self.check.done:
-            return
-        self.check.agree_on(EagerFirstForward._END)
-        self.check.done = True

@@ -43,19 +43,29 @@ def apply_shard(module: nn.Module, plan: ShardPlan, group: dist.ProcessGroup) ->
                 owner._parameters[attr] = piece.param
                 owner.__dict__.setdefault(SLOTS_ATTR, {})[attr] = (state, piece.slot)
                 sharded_modules[id(owner)] = owner
-        unit_module = module.get_submodule(state.layout.fqn)
-        unit_module.register_forward_pre_hook(state.eager.pre_forward)
-        unit_module.register_forward_hook(state.eager.post_forward, always_call=True)  # also when forward raises
-        state.flat.register_post_accumulate_grad_hook(weak_method(state.distribute_grad))
     for owner in sharded_modules.values():
         owner.__class__ = _sharded_class(type(owner), tuple(sorted(getattr(owner, SLOTS_ATTR, {}))))
     states = [state for state, _ in built]
     register_units(module, states)
-    EagerFirstForward(module, states)  # its hooks run before the units gather
-    module.register_forward_pre_hook(_CheckParametersSharded(states), prepend=True)  # before any unit gathers
+    _install_hooks(module, states)
     install_state_dict_hooks(module)
     log.info("fsdp_compile.shard: %d units over %d ranks: %s", len(states), world_size, states)
     return states
+
+
+def _install_hooks(module: nn.Module, states: list[UnitState]) -> None:
+    """Hooks run in the order they are registered here: the checks before the units' own. Never
+    ``prepend=True``: torch 2.11's Dynamo guards a traced hook by its position in ``dict.keys(hooks)``, which
+    ``OrderedDict.move_to_end`` does not change, so a prepended hook fails every compilation there
+    (``'_BeforeGather' object has no attribute '__func__'``, or "Guard failed on the same frame it was
+    created")."""
+    module.register_forward_pre_hook(_CheckParametersSharded(states).hook)  # before any unit gathers
+    EagerFirstForward(module, states)  # its checks run before each unit gathers
+    for state in states:
+        unit_module = module.get_submodule(state.layout.fqn)
+        unit_module.register_forward_pre_hook(state.eager.pre_forward)
+        unit_module.register_forward_hook(state.eager.post_forward, always_call=True)  # also when forward raises
+        state.flat.register_post_accumulate_grad_hook(weak_method(state.distribute_grad))
 
 
 def _parameter(module: nn.Module, name: str) -> nn.Parameter:
@@ -99,7 +109,8 @@ class _CheckParametersSharded:
     def __init__(self, states: list[UnitState]) -> None:
         self.pieces = {id(piece.param) for state in states for piece in state.pieces}
 
-    def __call__(self, module: nn.Module, args: Any) -> None:
+    def hook(self, module: nn.Module, args: Any) -> None:
+        """A bound method, not ``__call__``: see ``EagerFirstForward``."""
         if torch.compiler.is_compiling():
             return
         for name, param in module.named_parameters():

@@ -101,14 +101,15 @@ def test_a_saved_tensor_without_plain_storage_is_counted_and_said_once() -> None
 
 
 class _FailingBlock(Block):
-    """A block whose forward raises after its attention ran (its activations saved for backward) while
-    ``fail`` is set: a bad batch, an out-of-memory that the training loop catches."""
+    """A block whose forward raises after its attention ran (its activations saved for backward) while its
+    ``fail`` is set: a bad batch, an out-of-memory that the training loop catches. An attribute of the
+    instance: Dynamo guards it (torch 2.11's does not guard a class attribute, so it would not recompile)."""
 
     fail = False
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
-        if _FailingBlock.fail:
+        if self.fail:
             raise RuntimeError("bad batch")
         return x + self.feed_forward(self.ffn_norm(x))
 
@@ -135,10 +136,10 @@ def _train_through_an_exception(rank: int, world_size: int, compiled: bool) -> N
         batch = tokens(step)
         local = batch[2 * rank : 2 * rank + 2]
         if step == 1:  # the training loop catches the error and goes on with the next batch
-            _FailingBlock.fail = True
+            model.layers[2].fail = True
             with pytest.raises(RuntimeError, match="bad batch") as failure:  # kept, as a loop that logs it would
                 run(local[:, :-1], local[:, 1:])
-            _FailingBlock.fail = False
+            model.layers[2].fail = False
             assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None, "saved-tensor hooks left installed"
             assert not live_gathers and all(u.eager.gathered is None and u.eager.regathered is None for u in units)
             continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import types
 from collections.abc import Iterator
 
 import pytest
@@ -173,3 +174,22 @@ def test_plan_shard_is_pure_frozen_and_what_shard_applies() -> None:
         assert [u.layout for u in fsdp_compile.sharded_units(model)] == [u.layout for u in plan.units]
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("sharded", [(0, 2)], indirect=True, ids=["rank0of2"])
+def test_module_hooks_are_bound_methods_in_insertion_order(sharded: tuple[Llama, Llama, int, int]) -> None:
+    """Dynamo traces a unit's hooks (and the root's, when a parent module is compiled). torch 2.11 guards a
+    traced hook as ``hooks[list(dict.keys(hooks))[i]].__func__``: a callable object or a ``functools.partial``
+    has no ``__func__``, and a hook moved by ``prepend=True`` is not where ``dict.keys`` puts it. Either fails
+    every compilation there (seen on the GPUs: ``'_BeforeGather' object has no attribute '__func__'``)."""
+    _, model, _, _ = sharded
+    dicts = [d for module in model.modules() for d in (module._forward_pre_hooks, module._forward_hooks) if d]
+    hooks = [hook for d in dicts for hook in d.values()]
+    assert len(hooks) == 2 + 3 * len(fsdp_compile.sharded_units(model))
+    for d in dicts:
+        assert list(d) == list(dict.keys(d)), d
+    for hook in hooks:
+        assert isinstance(hook, types.FunctionType | types.MethodType), hook
+    # The checks run before the unit's own pre-hook, which gathers.
+    pre_hooks = [hook.__name__ for hook in model.layers[0]._forward_pre_hooks.values()]
+    assert pre_hooks == ["hook", "pre_forward"]
