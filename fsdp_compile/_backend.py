@@ -2,9 +2,9 @@
 
 Pipeline ([Note: pass order] in docs/architecture.md): ``map_units`` -> ``insert_collectives`` on the
 Dynamo graph; AOTAutograd with ``reshard_after_forward`` on the joint graph before partitioning;
-``schedule_overlap``, then (with ``all_gather="copy_engine"``) ``lower_to_symm_mem``, on the forward and
-backward graphs (Inductor's post-grad graphs, or the AOT graphs under ``aot_eager``); Inductor (or
-``aot_eager``) compiles them.
+``schedule_overlap``, ``plan_memory``, then (with ``all_gather="copy_engine"``) ``lower_to_symm_mem``, on the
+forward and backward graphs (Inductor's post-grad graphs, or the AOT graphs under ``aot_eager``); Inductor
+(or ``aot_eager``) compiles them.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from fsdp_compile.passes.insert_collectives import (
     plan_collectives,
 )
 from fsdp_compile.passes.map_units import UnitInputsPlan, plan_unit_inputs
+from fsdp_compile.passes.plan_memory import PlanMemory
 from fsdp_compile.passes.reshard_after_forward import ReshardAfterForward
 from fsdp_compile.passes.schedule_overlap import ScheduleOverlap
 
@@ -42,15 +43,16 @@ __all__ = ["backend", "fsdp_compile_backend"]
 log = logging.getLogger(__name__)
 
 
-def _post_grad_passes(config: BackendConfig) -> PassPipeline | None:
+def _post_grad_passes(config: BackendConfig) -> PassPipeline:
     passes: list[Any] = []
     if config.overlap:
         passes.append(
             ScheduleOverlap(prefetch=config.prefetch, max_inflight_grad_reductions=config.max_inflight_grad_reductions)
         )
+    passes.append(PlanMemory())
     if config.all_gather == "copy_engine":
         passes.append(LowerToSymmMem())
-    return PassPipeline(passes) if passes else None
+    return PassPipeline(passes)
 
 
 def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
@@ -60,9 +62,7 @@ def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
     settings: dict[str, Any] = {"joint_custom_pre_pass": ReshardAfterForward()}
     if config.cudagraphs:
         settings["triton.cudagraphs"] = True
-    passes = _post_grad_passes(config)
-    if passes is not None:
-        settings["post_grad_custom_post_pass"] = passes
+    settings["post_grad_custom_post_pass"] = _post_grad_passes(config)
     if config.overlap:
         settings["reorder_for_peak_memory"] = False
     return settings
@@ -106,9 +106,7 @@ def _inductor_inner_compile(settings: dict[str, Any]) -> Callable[..., Any]:
 
 def _eager_compiler(stage: debug.Stage, config: BackendConfig) -> Callable[..., Any]:
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        passes = _post_grad_passes(config)
-        if passes is not None:
-            passes(gm.graph)
+        _post_grad_passes(config)(gm.graph)
         debug.record(stage, gm)
         return _internals.make_boxed_func(gm.forward)
 

@@ -1,0 +1,154 @@
+"""Live ranges of the collectives' buffers in a compiled step, for ``plan_memory`` (its docstring says what
+a buffer is and when it is live).
+
+The step's order is the forward graph's nodes, then the backward's. AOTAutograd names each backward input
+after the forward output it saves, which is how a buffer kept gathered from forward to backward is
+followed into backward.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.fx as fx
+
+from fsdp_compile._graph import ALL_GATHER, GRAD_REDUCTIONS, WAIT, wait_of
+
+__all__ = ["Buffer", "ForwardBuffers", "Kind", "forward_buffers", "step_buffers"]
+
+Kind = Literal["gathered", "gradient"]
+Saved = tuple[tuple[str, tuple[str, ...]], ...]
+"""(buffer name, the graph outputs that alias it)."""
+
+
+@dataclass(frozen=True)
+class Buffer:
+    """One collective's buffer and its live range in the step's order."""
+
+    name: str
+    """The collective node's name, prefixed by its graph (``forward/all_gather_into_tensor_3``)."""
+    group: str
+    dtype: str
+    kind: Kind
+    nbytes: int
+    start: int
+    end: int
+    """Inclusive: the last step position at which the buffer is read."""
+
+    @property
+    def klass(self) -> tuple[str, str, str]:
+        return (self.group, self.dtype, self.kind)
+
+    def meets(self, other: Buffer) -> bool:
+        return self.start <= other.end and other.start <= self.end
+
+
+@dataclass(frozen=True)
+class ForwardBuffers:
+    """The forward graph's buffers, and what the backward needs to follow those kept for it."""
+
+    buffers: tuple[Buffer, ...]
+    length: int
+    """The forward's number of nodes: where the backward starts in the step's order."""
+    saved: Saved
+    """(buffer name, the forward outputs that alias it): the buffer is read in backward through them."""
+
+
+def forward_buffers(graph: fx.Graph) -> ForwardBuffers:
+    """The buffers of a scheduled forward graph; one that a forward output aliases lives to the forward's end
+    (``step_buffers`` follows it into the backward)."""
+    buffers, saved = _graph_buffers(graph, "forward", 0)
+    return ForwardBuffers(buffers=buffers, length=len(graph.nodes), saved=saved)
+
+
+def step_buffers(forward: ForwardBuffers, backward: fx.Graph | None) -> tuple[Buffer, ...]:
+    """The step's buffers: the forward's, with those saved for backward live to their last read there (to the
+    step's end for an output the backward does not take), and the backward's."""
+    if backward is None:
+        return forward.buffers
+    offset = forward.length
+    end = offset + len(backward.nodes) - 1
+    inputs = {n.name: n for n in backward.find_nodes(op="placeholder")}
+    index = {n: offset + i for i, n in enumerate(backward.nodes)}
+    extended = []
+    saved = dict(forward.saved)
+    for b in forward.buffers:
+        if b.name in saved:
+            reads = [_last_read(inputs[o], index, end) if o in inputs else end for o in saved[b.name]]
+            b = Buffer(b.name, b.group, b.dtype, b.kind, b.nbytes, b.start, max([b.end, *reads]))
+        extended.append(b)
+    backward_buffers, _ = _graph_buffers(backward, "backward", offset)
+    return (*extended, *backward_buffers)
+
+
+def _graph_buffers(graph: fx.Graph, stage: str, offset: int) -> tuple[tuple[Buffer, ...], Saved]:
+    index = {n: offset + i for i, n in enumerate(graph.nodes)}
+    end = offset + len(graph.nodes) - 1
+    output = graph.output_node()
+    outputs = {id(a): a.name for a in output.all_input_nodes}
+    buffers: list[Buffer] = []
+    saved: list[tuple[str, tuple[str, ...]]] = []
+    for node in graph.nodes:
+        if node.target == ALL_GATHER:
+            value, group = node.meta["val"], str(node.args[2])
+            name = f"{stage}/{node.name}"
+            aliases = _aliases(node)
+            escaping = tuple(sorted(outputs[id(a)] for a in aliases if id(a) in outputs))
+            last = _last_read(node, index, end, aliases)
+            if escaping:
+                saved.append((name, escaping))
+            buffers.append(Buffer(name, group, str(value.dtype), "gathered", _nbytes(value), index[node], last))
+        elif node.target in GRAD_REDUCTIONS:
+            source = node.args[0]
+            value = source.meta["val"]
+            group = str(node.args[-1])
+            wait = wait_of(node)
+            start = index[source] if source.op != "placeholder" else offset
+            buffers.append(
+                Buffer(f"{stage}/{node.name}", group, str(value.dtype), "gradient", _nbytes(value), start,
+                       index[wait] if wait is not None else end)
+            )
+    return tuple(buffers), tuple(saved)
+
+
+def _nbytes(value: torch.Tensor) -> int:
+    return value.numel() * value.element_size()
+
+
+def _aliases(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every node that views its result (``wait_tensor``, views, their ``getitem``s), transitively."""
+    found, todo = [node], [node]
+    while todo:
+        for user in todo.pop().users:
+            if user not in found and _is_view(user):
+                found.append(user)
+                todo.append(user)
+    return found
+
+
+def _is_view(node: fx.Node) -> bool:
+    if node.op != "call_function":
+        return False
+    if node.target in (WAIT, operator.getitem):
+        return True
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not schema.returns:
+        return False
+    alias = schema.returns[0].alias_info
+    return alias is not None and not alias.is_write
+
+
+def _last_read(node: fx.Node, index: dict[fx.Node, int], end: int, aliases: list[fx.Node] | None = None) -> int:
+    """The last position at which ``node``'s result is read through any alias (``end`` if a graph output is
+    one: read after the graph)."""
+    last = index[node]
+    for alias in aliases if aliases is not None else _aliases(node):
+        for user in alias.users:
+            if user.op == "output":
+                last = max(last, end)
+            elif not _is_view(user):
+                last = max(last, index[user])
+    return last

@@ -1,0 +1,200 @@
+"""Plan the communication buffers of one compiled step into a few persistent slots (max-pool sizing).
+
+Precondition: the scheduled post-grad forward graph of a compiled step (after ``schedule_overlap``) and,
+once it is compiled, its backward graph (live ranges: ``fsdp_compile._liveness``).
+Postcondition: nothing in the graphs changes. The plan (``MemoryPlan``) says, per process group, dtype and
+kind, which slots the step needs, their sizes, and which slot each collective's buffer takes; it is logged
+as the structured artifact ``fsdp_compile_memory_plan``. It is not applied yet: the collectives still
+allocate their own outputs (what ``per_collective_bytes`` counts).
+
+Buffers, in the step's order (the forward's nodes, then the backward's):
+- ``gathered``: an all-gather's output. Live from the all-gather's issue to the last read of any alias of it
+  (views, ``wait_tensor``, a forward output saved for backward and its reads there).
+- ``gradient``: a gradient reduction's input (the unit's whole gradient in the dtype it travels in). Live from
+  the node that produces it to the reduction's ``wait_tensor``: the peers read it until then.
+Two buffers may share a slot only if their live ranges do not meet (a range is inclusive: the next
+collective into a slot comes strictly after the last reader of the previous occupant).
+
+Colouring: the slots of each (group, dtype, kind) are made by first fit in decreasing size (ties by start,
+then name): a buffer takes the first slot none of whose occupants it meets, else opens one of its own
+size, so a slot's size is its first, largest occupant. Finding the fewest total bytes is NP-hard
+(max-colouring of an interval graph); for buffers of one size this is the classic optimal interval
+colouring (as many slots as buffers live at once). Every figure is in bytes:
+``lower_bound_bytes`` (the most bytes live at once) <= ``pool_bytes`` (the plan) <= ``per_collective_bytes``
+(one buffer per collective, Inductor's per-site allocation), and ``pool_bytes`` <= ``maxpool_bytes``
+(Megatron-FSDP's MaxPoolAllocator: as many buffers per (group, dtype, kind) as the plan, each the size of
+that kind's largest).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch.fx as fx
+
+from fsdp_compile import _internals
+from fsdp_compile._graph import GraphPass
+from fsdp_compile._liveness import Buffer, ForwardBuffers, Kind, forward_buffers, step_buffers
+
+__all__ = [
+    "Buffer",
+    "ForwardBuffers",
+    "MemoryPlan",
+    "PlanMemory",
+    "Slot",
+    "forward_buffers",
+    "hazards",
+    "plan_memory",
+    "step_buffers",
+]
+
+
+@dataclass(frozen=True)
+class Slot:
+    group: str
+    dtype: str
+    kind: Kind
+    nbytes: int
+    occupants: tuple[str, ...]
+    """Its buffers, by name, in step order."""
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    graphs: tuple[str, ...]
+    """The graphs the plan covers: ``("forward",)`` or ``("forward", "backward")``."""
+    buffers: tuple[Buffer, ...]
+    """Every collective's buffer, in step order."""
+    slots: tuple[Slot, ...]
+    assignment: tuple[tuple[str, int], ...]
+    """(buffer name, slot index), in step order: the same slot for the same collective every step."""
+    pool_bytes: int
+    per_collective_bytes: int
+    maxpool_bytes: int
+    lower_bound_bytes: int
+
+    @property
+    def predicted_peak_bytes(self) -> int:
+        """The slots are persistent: the communication buffers' peak is the pool."""
+        return self.pool_bytes
+
+    def to_json(self) -> str:
+        return json.dumps({**asdict(self), "predicted_peak_bytes": self.predicted_peak_bytes})
+
+    def summary(self) -> str:
+        return (
+            f"{len(self.buffers)} buffers in {len(self.slots)} slots over {'+'.join(self.graphs)}: pool "
+            f"{self.pool_bytes} B (per collective {self.per_collective_bytes}, max-pool {self.maxpool_bytes}, "
+            f"lower bound {self.lower_bound_bytes})"
+        )
+
+
+def plan_memory(buffers: Iterable[Buffer], graphs: Sequence[str] = ("forward", "backward")) -> MemoryPlan:
+    """Assign ``buffers`` to slots (the module docstring's first fit in decreasing size). Pure and
+    deterministic: the same buffers in any order give the same plan."""
+    ordered = tuple(sorted(buffers, key=lambda b: (b.start, b.end, b.name)))
+    names = [b.name for b in ordered]
+    if len(set(names)) != len(names):
+        raise ValueError(f"buffer names must be unique: {sorted(n for n in set(names) if names.count(n) > 1)}")
+    slot_keys: list[tuple[str, str, str]] = []
+    slot_sizes: list[int] = []
+    slot_members: list[list[Buffer]] = []
+    for buffer in sorted(ordered, key=lambda b: (b.klass, -b.nbytes, b.start, b.name)):
+        for index, key in enumerate(slot_keys):
+            if key == buffer.klass and not any(buffer.meets(other) for other in slot_members[index]):
+                slot_members[index].append(buffer)
+                break
+        else:
+            slot_keys.append(buffer.klass)
+            slot_sizes.append(buffer.nbytes)
+            slot_members.append([buffer])
+    slots = tuple(
+        Slot(*key, nbytes=size, occupants=tuple(b.name for b in sorted(members, key=lambda b: (b.start, b.name))))  # type: ignore[arg-type]
+        for key, size, members in zip(slot_keys, slot_sizes, slot_members)
+    )
+    slot_of = {name: index for index, slot in enumerate(slots) for name in slot.occupants}
+    largest: dict[tuple[str, str, str], int] = {}
+    for buffer in ordered:
+        largest[buffer.klass] = max(largest.get(buffer.klass, 0), buffer.nbytes)
+    return MemoryPlan(
+        graphs=tuple(graphs),
+        buffers=ordered,
+        slots=slots,
+        assignment=tuple((name, slot_of[name]) for name in names),
+        pool_bytes=sum(slot_sizes),
+        per_collective_bytes=sum(b.nbytes for b in ordered),
+        maxpool_bytes=sum(largest[key] for key in slot_keys),
+        lower_bound_bytes=_most_live_at_once(ordered),
+    )
+
+
+def _most_live_at_once(buffers: Sequence[Buffer]) -> int:
+    events = sorted([(b.start, 0, b.nbytes) for b in buffers] + [(b.end, 1, -b.nbytes) for b in buffers])
+    live = most = 0
+    for _, _, delta in events:  # at one position, starts (0) before ends (1): inclusive ranges
+        live += delta
+        most = max(most, live)
+    return most
+
+
+def hazards(plan: MemoryPlan) -> list[str]:
+    """What would make the plan unsafe, in words (empty if none): two buffers that meet in one slot, a
+    buffer larger than its slot or of another group, dtype or kind, a buffer in no slot or in two."""
+    found: list[str] = []
+    by_name = {b.name: b for b in plan.buffers}
+    placed = [name for slot in plan.slots for name in slot.occupants]
+    for name in sorted(set(by_name) ^ set(placed)):
+        found.append(f"{name}: in no slot" if name in by_name else f"{name}: in a slot but not a buffer")
+    for name in sorted({n for n in placed if placed.count(n) > 1}):
+        found.append(f"{name}: in several slots")
+    if dict(plan.assignment) != {name: i for i, slot in enumerate(plan.slots) for name in slot.occupants}:
+        found.append("the assignment disagrees with the slots' occupants")
+    for index, slot in enumerate(plan.slots):
+        members = [by_name[name] for name in slot.occupants if name in by_name]
+        for b in members:
+            if b.nbytes > slot.nbytes:
+                found.append(f"{b.name}: {b.nbytes} bytes in slot {index} of {slot.nbytes}")
+            if b.klass != (slot.group, slot.dtype, slot.kind):
+                found.append(f"{b.name}: {b.klass} in slot {index} of {(slot.group, slot.dtype, slot.kind)}")
+        for i, a in enumerate(members):
+            for b in members[i + 1 :]:
+                if a.meets(b):
+                    found.append(
+                        f"{a.name} [{a.start}, {a.end}] and {b.name} [{b.start}, {b.end}] meet in slot {index}"
+                    )
+    return found
+
+
+_forwards: dict[str, ForwardBuffers] = {}
+"""Per compilation (Dynamo's compile id): its forward graph's buffers, until its backward is planned. An
+inference graph has no backward: the oldest entries go beyond ``_KEPT_FORWARDS``."""
+_KEPT_FORWARDS = 64
+
+
+class PlanMemory(GraphPass):
+    """The planner as part of Inductor's ``post_grad_custom_post_pass`` (after ``schedule_overlap``): a forward
+    graph is planned alone and kept for its backward; a backward graph is planned with its forward (the
+    step). AOTAutograd compiles the backward at its first call, in the forward's compile context."""
+
+    name = "memory"
+
+    def plan(self, graph: fx.Graph) -> MemoryPlan:
+        if not _is_backward(graph):
+            return plan_memory(forward_buffers(graph).buffers, graphs=("forward",))
+        forward = _forwards.pop(_internals.current_compile_id(), None)
+        if forward is None:  # its forward came from a cache: the backward alone
+            return plan_memory(step_buffers(ForwardBuffers((), 0, ()), graph), graphs=("backward",))
+        return plan_memory(step_buffers(forward, graph))
+
+    def apply(self, gm: fx.GraphModule, plan: MemoryPlan) -> None:
+        if not _is_backward(gm.graph):
+            _forwards[_internals.current_compile_id()] = forward_buffers(gm.graph)
+            while len(_forwards) > _KEPT_FORWARDS:
+                del _forwards[next(iter(_forwards))]
+
+
+def _is_backward(graph: fx.Graph) -> bool:
+    """AOTAutograd names a backward graph's incoming gradients ``tangents_<i>``."""
+    return any(n.name.startswith("tangents") for n in graph.find_nodes(op="placeholder"))

@@ -1,0 +1,221 @@
+"""plan_memory: property-based checks of the slot planner on synthetic live ranges (pure), then the plans of
+real compiled steps (graph structure on CPU, fake process group)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import torch
+import torch.fx as fx
+from hypothesis import given
+from hypothesis import strategies as st
+from torch import nn
+
+import fsdp_compile
+from fsdp_compile.passes.plan_memory import (
+    Buffer,
+    MemoryPlan,
+    Slot,
+    forward_buffers,
+    hazards,
+    plan_memory,
+    step_buffers,
+)
+from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+
+
+@st.composite
+def buffer_sets(draw: st.DrawFn) -> list[Buffer]:
+    buffers = []
+    for i in range(draw(st.integers(0, 24))):
+        start = draw(st.integers(0, 60))
+        buffers.append(
+            Buffer(
+                name=f"c{i}",
+                group=draw(st.sampled_from(["0", "1"])),
+                dtype=draw(st.sampled_from(["torch.float32", "torch.bfloat16"])),
+                kind=draw(st.sampled_from(["gathered", "gradient"])),
+                nbytes=draw(st.sampled_from([0, 256, 512, 1024, 4096])) + draw(st.integers(0, 3)) * 16,
+                start=start,
+                end=start + draw(st.integers(0, 30)),
+            )
+        )
+    return buffers
+
+
+@given(buffers=buffer_sets(), seed=st.integers(0, 2**16))
+def test_the_plan_is_safe_bounded_and_deterministic(buffers: list[Buffer], seed: int) -> None:
+    plan = plan_memory(buffers)
+    assert hazards(plan) == []
+    by_name = {b.name: b for b in buffers}
+    for name, index in plan.assignment:
+        slot = plan.slots[index]
+        assert by_name[name].nbytes <= slot.nbytes
+        assert by_name[name].klass == (slot.group, slot.dtype, slot.kind)
+    for slot in plan.slots:  # max-pool sizing: a slot is as large as its largest occupant
+        assert slot.nbytes == max(by_name[name].nbytes for name in slot.occupants)
+    assert plan.lower_bound_bytes <= plan.pool_bytes <= plan.per_collective_bytes
+    assert plan.pool_bytes <= plan.maxpool_bytes
+    shuffled = list(buffers)
+    random.Random(seed).shuffle(shuffled)
+    assert plan_memory(shuffled) == plan
+    assert json.loads(plan.to_json())["pool_bytes"] == plan.pool_bytes
+
+
+@given(lengths=st.lists(st.integers(1, 8), min_size=1, max_size=20), starts=st.lists(st.integers(0, 40), min_size=20))
+def test_buffers_of_one_size_take_as_many_slots_as_are_live_at_once(lengths: list[int], starts: list[int]) -> None:
+    buffers = [
+        Buffer(f"c{i}", "0", "torch.float32", "gathered", 1024, start, start + n)
+        for i, (n, start) in enumerate(zip(lengths, starts))
+    ]
+    plan = plan_memory(buffers)
+    assert plan.pool_bytes == plan.lower_bound_bytes  # optimal: the greatest number live at once
+
+
+def test_a_slot_is_never_shared_by_buffers_that_meet_even_at_one_position() -> None:
+    a = Buffer("a", "0", "torch.float32", "gathered", 100, 0, 5)
+    b = Buffer("b", "0", "torch.float32", "gathered", 100, 5, 9)  # issued where a is last read
+    c = Buffer("c", "0", "torch.float32", "gathered", 60, 6, 9)
+    plan = plan_memory([a, b, c])
+    assert plan.slots == (
+        Slot("0", "torch.float32", "gathered", 100, ("a", "c")),
+        Slot("0", "torch.float32", "gathered", 100, ("b",)),
+    )
+    figures = (plan.pool_bytes, plan.per_collective_bytes, plan.maxpool_bytes, plan.lower_bound_bytes)
+    assert figures == (200, 260, 200, 200)
+
+
+def test_the_verifier_names_each_hazard() -> None:
+    a = Buffer("a", "0", "torch.float32", "gathered", 100, 0, 5)
+    b = Buffer("b", "0", "torch.float32", "gathered", 200, 3, 9)
+    bad = MemoryPlan(
+        graphs=("forward",), buffers=(a, b), slots=(Slot("0", "torch.float32", "gathered", 100, ("a", "b")),),
+        assignment=(("a", 0), ("b", 0)), pool_bytes=100, per_collective_bytes=300, maxpool_bytes=200,
+        lower_bound_bytes=300,
+    )
+    assert hazards(bad) == ["b: 200 bytes in slot 0 of 100", "a [0, 5] and b [3, 9] meet in slot 0"]
+    with pytest.raises(ValueError, match="unique"):
+        plan_memory([a, a])
+
+
+def test_empty() -> None:
+    plan = plan_memory([])
+    assert (plan.slots, plan.pool_bytes, plan.lower_bound_bytes) == ((), 0, 0)
+    assert hazards(plan) == []
+
+
+# Real compiled steps (fake process group of 2 ranks): the plan the backend logs.
+
+
+class _Attention(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.out = nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return x + self.out(torch.softmax(q @ k.transpose(-1, -2), dim=-1) @ v)
+
+
+class _Mlp(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class Hybrid(nn.Module):
+    """Units of different sizes: attention-only (1,024 elements), MLP (2,096) and wide MLP (8,336) blocks; the
+    root holds a big embedding and the output head (16,384)."""
+
+    def __init__(self, vocab: int = 512, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.layers = nn.ModuleList(
+            block for _ in range(2) for block in (_Attention(dim), _Mlp(dim, 64), _Mlp(dim, 256))
+        )
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
+
+
+@contextmanager
+def memory_plans() -> Iterator[list[dict]]:
+    """The ``fsdp_compile_memory_plan`` artifacts logged meanwhile, parsed."""
+    from torch._logging._internal import trace_log
+
+    plans: list[dict] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            artifact = getattr(record, "metadata", {}).get("artifact", {})
+            if artifact.get("name") == "fsdp_compile_memory_plan":
+                plans.append(json.loads(record.payload))  # type: ignore[attr-defined]
+
+    handler = Collect()
+    trace_log.addHandler(handler)
+    try:
+        yield plans
+    finally:
+        trace_log.removeHandler(handler)
+
+
+def _figures(plan: dict) -> str:
+    names = ("lower_bound_bytes", "pool_bytes", "maxpool_bytes", "per_collective_bytes")
+    return ", ".join(f"{name} {plan[name]}" for name in names)
+
+
+def _step(model: nn.Module, units: list[type[nn.Module]], compiler: str) -> tuple[list[dict], dict[str, fx.Graph]]:
+    """One compiled training step, no compile cache (a cached graph runs no pass): its memory plans, its graphs."""
+    fsdp_compile.shard(model, units=units)
+    compiled = torch.compile(model, backend=fsdp_compile.backend(compiler=compiler))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    no_cache = torch._inductor.config.patch(force_disable_caches=True)
+    with memory_plans() as plans, fsdp_compile.debug.capture_graphs() as graphs, no_cache:
+        compiled(tokens, tokens).backward()
+    return plans, {g.stage: g.gm.graph for g in graphs}
+
+
+@pytest.mark.parametrize("model", ["llama", "hybrid"])
+def test_the_logged_plan_of_a_compiled_step_is_the_planners_and_safe(fake_pg: None, model: str) -> None:
+    torch.manual_seed(0)
+    net, units = (Llama(LLAMA_TINY), [Block]) if model == "llama" else (Hybrid(), [_Attention, _Mlp])
+    n_units = 1 + len(net.layers)  # the root is a unit too
+    plans, graphs = _step(net, units, "aot_eager")
+    forward, step = plans
+    print(f"{model}: {_figures(step)}")
+    assert forward["graphs"] == ["forward"] and step["graphs"] == ["forward", "backward"]
+    plan = plan_memory(step_buffers(forward_buffers(graphs["forward"]), graphs["backward"]))
+    assert json.loads(plan.to_json()) == step
+    assert hazards(plan) == []
+    kinds = [b.kind for b in plan.buffers]
+    # Every unit gathered in forward and again in backward (resharded after forward), and reduced once.
+    assert (kinds.count("gathered"), kinds.count("gradient")) == (2 * n_units, n_units)
+    assert plan.lower_bound_bytes <= plan.pool_bytes < plan.per_collective_bytes
+    if model == "hybrid":
+        assert plan.pool_bytes < plan.maxpool_bytes
+    else:  # uniform blocks, and a root that is smaller
+        assert plan.pool_bytes <= plan.maxpool_bytes
+
+
+def test_inductor_logs_the_plan_of_its_post_grad_graphs(fake_pg: None) -> None:
+    torch.manual_seed(0)
+    plans, _ = _step(Hybrid(), [_Attention, _Mlp], "inductor")
+    assert [p["graphs"] for p in plans] == [["forward"], ["forward", "backward"]]
+    step = plans[1]
+    print(f"hybrid, Inductor: {_figures(step)}")
+    assert len(step["buffers"]) == 3 * 7
+    assert step["lower_bound_bytes"] <= step["pool_bytes"] < step["maxpool_bytes"] <= step["per_collective_bytes"]
