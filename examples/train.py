@@ -2,6 +2,7 @@
 
     python examples/train.py                          # CPU: spawns 2 gloo ranks by itself (~1 min)
     torchrun --nproc_per_node 2 examples/train.py     # GPUs: NCCL, bf16 params, fp32 reduce-scatter
+    torchrun --nproc_per_node 2 examples/train.py --cudagraphs --all-gather copy_engine   # GPU options
 
 Expected output on CPU (torch 2.13; the last digits of the error may differ on another CPU):
 
@@ -29,7 +30,7 @@ from fsdp_compile.testing.reference import reference_step, rel_error
 BATCH_PER_RANK, SEQ = 4, 16
 
 
-def train(rank: int, world_size: int, steps: int) -> None:
+def train(rank: int, world_size: int, steps: int, options: dict[str, object]) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     # Mixed precision on GPUs: gather and compute in bf16, reduce gradients in fp32, keep fp32 shards.
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -40,7 +41,7 @@ def train(rank: int, world_size: int, steps: int) -> None:
     reference = copy.deepcopy(model)  # unsharded, trained on the global batch for the parity line
 
     fsdp_compile.shard(model, units=[Block], mp=fsdp_compile.MixedPrecision(param_dtype=param_dtype))
-    compiled = torch.compile(model, backend="fsdp_compile")
+    compiled = torch.compile(model, backend=fsdp_compile.backend(**options))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     if rank == 0:
@@ -53,6 +54,8 @@ def train(rank: int, world_size: int, steps: int) -> None:
         tokens = torch.randint(0, LLAMA_TINY.vocab_size, (world_size * BATCH_PER_RANK, SEQ + 1), generator=gen)
         tokens = tokens.to(device)
         mine = tokens.chunk(world_size)[rank]
+        if options.get("cudagraphs"):
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's outputs may be overwritten
         loss = compiled(mine[:, :-1], mine[:, 1:])
         loss.backward()
         optimizer.step()
@@ -78,9 +81,12 @@ def train(rank: int, world_size: int, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description="Train a small Llama-style model with fsdp_compile.")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--cudagraphs", action="store_true", help="Inductor's CUDA graphs (GPUs)")
+    parser.add_argument("--all-gather", choices=["nccl", "copy_engine"], default="nccl", help="the all-gathers' route")
     args = parser.parse_args()
+    options = {"cudagraphs": args.cudagraphs, "all_gather": args.all_gather}
     if "RANK" not in os.environ:  # plain `python examples/train.py`: spawn 2 CPU ranks
-        spawn_ranks(train, 2, args.steps)
+        spawn_ranks(train, 2, args.steps, options)
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -88,7 +94,7 @@ def main() -> None:
         gloo_one_worker_thread()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        train(dist.get_rank(), dist.get_world_size(), args.steps)
+        train(dist.get_rank(), dist.get_world_size(), args.steps, options)
     finally:
         dist.destroy_process_group()
 

@@ -179,6 +179,12 @@ def _compile(
 ) -> Callable[..., Any]:
     settings = {**_user_settings(config, mode, options), **_inductor_settings(config)}
     plan = _insert_collectives(gm, example_inputs)
+    if settings.get("triton.cudagraphs") and not _internals.release_cuda_graphs_before_destroy():
+        debug.degraded(
+            "cuda_graphs_hold_destroy",
+            "this torch gives fsdp_compile no way to free Inductor's CUDA graphs before destroy_process_group(), "
+            "which then waits for them forever: call torch._dynamo.reset() before destroy_process_group()",
+        )
     if config.all_gather == "copy_engine":
         _reserve_workspaces(gm, plan)
     if config.compiler == "aot_eager":

@@ -16,6 +16,8 @@ Shims, each where it is used:
   its symmetric-memory features on ``is_symm_mem_enabled_for_group``: :func:`symm_mem_workspace`.
 * Gloo process groups race in torch itself when two worker threads finish at once (heap corruption):
   :func:`gloo_one_worker_thread`, for the multi-rank harness on CPU.
+* ``destroy_process_group()`` hangs while a CUDA graph that captured NCCL kernels lives, and has no hook:
+  :func:`release_cuda_graphs_before_destroy`.
 """
 
 from __future__ import annotations
@@ -32,40 +34,13 @@ import torch
 import torch.fx as fx
 
 __all__ = [
-    "CustomGraphPass",
-    "MissingTorchFeature",
-    "OptimizedModule",
-    "Shard",
-    "ShardMetadata",
-    "PassPipeline",
-    "aot_autograd",
-    "c10d_functional",
-    "compile_fx",
-    "compile_fx_inner",
-    "counters",
-    "current_compile_id",
-    "hash_sources",
-    "flat_optimizer_state",
-    "gloo_one_worker_thread",
-    "group_store",
-    "group_timeout",
-    "get_optimizer_state_dict",
-    "inductor_config",
-    "is_backward_compile",
-    "is_sharded_tensor",
-    "is_view_op",
-    "list_mode_options",
-    "make_boxed_func",
-    "placeholder_source",
-    "min_cut_rematerialization_partition",
-    "register_work",
-    "run_observed",
-    "set_optimizer_state_dict",
-    "sharded_tensor",
-    "symm_mem_backend_stream",
-    "symm_mem_workspace",
-    "symmetric_memory",
-    "trace_structured",
+    "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
+    "aot_autograd", "c10d_functional", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
+    "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_store", "group_timeout",
+    "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
+    "list_mode_options", "make_boxed_func", "placeholder_source", "min_cut_rematerialization_partition",
+    "register_work", "release_cuda_graphs_before_destroy", "run_observed", "set_optimizer_state_dict",
+    "sharded_tensor", "symm_mem_backend_stream", "symm_mem_workspace", "symmetric_memory", "trace_structured",
 ]
 
 
@@ -259,15 +234,37 @@ def register_work(output: torch.Tensor) -> None:
     torch._C._distributed_c10d._register_work(output, symmetric_memory().Work())
 
 
+class _BeforeDestroy:
+    """Rides on ``_world.comms``: ``destroy_process_group()`` of the default group calls ``finalize()`` on each
+    of those (torchcomms communicators) before it shuts the process groups down, then empties the list."""
+
+    def finalize(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()  # the graphs' last replays are done
+        _need("torch._inductor.cudagraph_trees", "reset_cudagraph_trees")()
+
+
+def release_cuda_graphs_before_destroy() -> bool:
+    """Have ``destroy_process_group()`` (of the default group, as a script ends) first free Inductor's CUDA
+    graphs; False where this torch has no place for it. Why: NCCL's teardown of a communicator waits for every
+    live CUDA graph that captured its kernels, so every rank hung in ``destroy_process_group`` after training
+    with CUDA graphs (seen on 2 H100s; freeing the graphs first, it returned in 0.4 s; pytorch#115388).
+    torch has no hook there; the list of communicators it finalizes first is the one place that runs."""
+    comms = getattr(_need("torch.distributed.distributed_c10d", "_world"), "comms", None)
+    if not isinstance(comms, list):
+        return False
+    if not any(isinstance(comm, _BeforeDestroy) for comm in comms):
+        comms.append(_BeforeDestroy())
+    return True
+
+
 def gloo_one_worker_thread() -> None:
     """Gloo process groups created from now on in this process run their collectives on ONE worker thread
-    (gloo's default is two). Why: ``ProcessGroupGloo::runLoop`` updates the group's status (the name of the
-    last completed work, a ``std::string``) after it releases its lock, so two worker threads finishing at
-    the same time can free the same string buffer twice, or copy a short name into a buffer the other one
-    just freed: heap corruption ("malloc(): unaligned tcache chunk detected", SIGSEGV), seen in about one
-    multi-rank test run in 20-50 (found in torch 2.13's libtorch_cpu; reproduced with nothing but
-    alternating functional all-reduces and all-gathers on 3 gloo ranks). One thread serializes the
-    collectives, which every rank issues in the same order anyway. Call it before creating the groups;
+    (gloo's default is two). Why: ``ProcessGroupGloo::runLoop`` updates the group's status (the last
+    completed work's name, a ``std::string``) after it releases its lock, so two worker threads finishing
+    together can free one string buffer twice: heap corruption ("malloc(): unaligned tcache chunk
+    detected", SIGSEGV), in about one multi-rank test run in 20-50 (torch 2.13's libtorch_cpu; reproduced
+    with functional all-reduces and all-gathers alone on 3 gloo ranks). Call it before creating the groups;
     calling it again does nothing."""
     c10d = importlib.import_module("torch.distributed.distributed_c10d")
     base = c10d.ProcessGroupGloo

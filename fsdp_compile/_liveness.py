@@ -16,6 +16,7 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile._graph import ALL_GATHER, GRAD_REDUCTIONS, WAIT, wait_of
+from fsdp_compile._internals import is_view_op
 
 __all__ = ["Buffer", "ForwardBuffers", "Kind", "forward_buffers", "step_buffers"]
 
@@ -130,15 +131,7 @@ def _aliases(node: fx.Node) -> list[fx.Node]:
 
 
 def _is_view(node: fx.Node) -> bool:
-    if node.op != "call_function":
-        return False
-    if node.target in (WAIT, operator.getitem):
-        return True
-    schema = getattr(node.target, "_schema", None)
-    if schema is None or not schema.returns:
-        return False
-    alias = schema.returns[0].alias_info
-    return alias is not None and not alias.is_write
+    return node.op == "call_function" and (node.target in (WAIT, operator.getitem) or is_view_op(node.target))
 
 
 def _last_read(node: fx.Node, index: dict[fx.Node, int], end: int, aliases: list[fx.Node] | None = None) -> int:

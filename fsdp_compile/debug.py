@@ -17,6 +17,8 @@ the reason once per key and process (logger ``fsdp_compile.debug``). The keys:
 - ``schedule_overlap_kept_original_order``: no valid order found, the graph keeps its order;
 - ``copy_engine_mid_step_syncs``: a copy-engine all-gather had to grow the symmetric workspace, which
   waits for the GPU (``torch.cuda.synchronize``) in the middle of a step;
+- ``cuda_graphs_hold_destroy``: with CUDA graphs, this torch offers no way to free them before
+  ``destroy_process_group()``, which then hangs: call ``torch._dynamo.reset()`` before it;
 - ``eager_saved_whole``: eager mode saved a tensor without a plain storage (a subclass, sparse) for
   backward as it is, so its unit's memory is not released after forward.
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
+import torch._inductor.cudagraph_trees
 from torch._inductor.utils import run_and_get_code
 from torch.testing import FileCheck
 from torch.testing._internal.distributed.fake_pg import FakeStore
@@ -91,16 +92,22 @@ def test_without_the_pass_no_all_gather_overlaps() -> None:
 
 
 @pytest.mark.slow
-def test_cudagraphs_option_reaches_inductor() -> None:
+def test_cudagraphs_option_reaches_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
     """``backend(cudagraphs=True)`` turns on Inductor's CUDA graphs. On CPU the forward compile records why
     it skips them (once: the backward compile takes the forward's decision), which shows the setting
-    arrived; on GPUs ``test_parity_nccl_inductor[cudagraphs]`` checks that the graphs run."""
+    arrived; on GPUs ``test_parity_nccl_inductor[cudagraphs]`` checks that the graphs run. And
+    ``destroy_process_group()`` frees the CUDA graphs first (else it would wait for them forever on GPUs:
+    ``tests/test_gpu_exit.py``)."""
+    freed: list[int] = []
+    monkeypatch.setattr(torch._inductor.cudagraph_trees, "reset_cudagraph_trees", lambda: freed.append(1))
     counters.clear()
     _code(fsdp_compile.backend(cudagraphs=True))
     assert counters["inductor"]["cudagraph_skips"] == 1, dict(counters["inductor"])
+    assert freed == [1]  # by _code's destroy_process_group()
     counters.clear()
     _code(fsdp_compile.backend())
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert freed == [1]
 
 
 @pytest.mark.slow
