@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass
 
 import torch.fx as fx
 
-from fsdp_compile import _internals
+from fsdp_compile import _internals, _liveness
 from fsdp_compile._graph import GraphPass
 from fsdp_compile._liveness import Buffer, ForwardBuffers, Kind, forward_buffers, step_buffers
 
@@ -183,16 +183,22 @@ class PlanMemory(GraphPass):
     def plan(self, graph: fx.Graph) -> MemoryPlan:
         if not _is_backward(graph):
             return plan_memory(forward_buffers(graph).buffers, graphs=("forward",))
-        forward = _forwards.pop(_internals.current_compile_id(), None)
+        forward = _forwards.get(_internals.current_compile_id())
         if forward is None:  # its forward came from a cache: the backward alone
             return plan_memory(step_buffers(ForwardBuffers((), 0, ()), graph), graphs=("backward",))
         return plan_memory(step_buffers(forward, graph))
 
+    def sources(self) -> Sequence[str]:
+        return (*super().sources(), _liveness.__file__)
+
     def apply(self, gm: fx.GraphModule, plan: MemoryPlan) -> None:
-        if not _is_backward(gm.graph):
-            _forwards[_internals.current_compile_id()] = forward_buffers(gm.graph)
-            while len(_forwards) > _KEPT_FORWARDS:
-                del _forwards[next(iter(_forwards))]
+        """Changes no node: keeps a forward's buffers for its backward, and lets them go once it is planned."""
+        if _is_backward(gm.graph):
+            _forwards.pop(_internals.current_compile_id(), None)
+            return
+        _forwards[_internals.current_compile_id()] = forward_buffers(gm.graph)
+        while len(_forwards) > _KEPT_FORWARDS:
+            del _forwards[next(iter(_forwards))]
 
 
 def _is_backward(graph: fx.Graph) -> bool:
