@@ -94,7 +94,7 @@ class MemoryPlan:
 def plan_memory(buffers: Iterable[Buffer], graphs: Sequence[str] = ("forward", "backward")) -> MemoryPlan:
     """Assign ``buffers`` to slots (the module docstring's first fit in decreasing size). Pure and
     deterministic: the same buffers in any order give the same plan."""
-    ordered = tuple(sorted(buffers, key=lambda b: (b.start, b.end, b.name)))
+    ordered = tuple(sorted(buffers, key=_by_start))
     names = [b.name for b in ordered]
     if len(set(names)) != len(names):
         raise ValueError(f"buffer names must be unique: {sorted(n for n in set(names) if names.count(n) > 1)}")
@@ -111,7 +111,7 @@ def plan_memory(buffers: Iterable[Buffer], graphs: Sequence[str] = ("forward", "
             slot_sizes.append(buffer.nbytes)
             slot_members.append([buffer])
     slots = tuple(
-        Slot(*key, nbytes=size, occupants=tuple(b.name for b in sorted(members, key=lambda b: (b.start, b.name))))  # type: ignore[arg-type]
+        Slot(*key, nbytes=size, occupants=tuple(b.name for b in sorted(members, key=_by_start)))  # type: ignore[arg-type]
         for key, size, members in zip(slot_keys, slot_sizes, slot_members)
     )
     slot_of = {name: index for index, slot in enumerate(slots) for name in slot.occupants}
@@ -128,6 +128,10 @@ def plan_memory(buffers: Iterable[Buffer], graphs: Sequence[str] = ("forward", "
         maxpool_bytes=sum(largest[key] for key in slot_keys),
         lower_bound_bytes=_most_live_at_once(ordered),
     )
+
+
+def _by_start(b: Buffer) -> tuple[int, int, str]:
+    return (b.start, b.end, b.name)
 
 
 def _most_live_at_once(buffers: Sequence[Buffer]) -> int:
