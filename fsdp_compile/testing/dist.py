@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
 import gc
-import os
-import socket
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -14,17 +13,13 @@ import torch.multiprocessing as mp
 
 from fsdp_compile._internals import gloo_one_worker_thread
 
-__all__ = ["free_port", "gloo_one_worker_thread", "spawn_ranks"]
+__all__ = ["gloo_one_worker_thread", "spawn_ranks"]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+_HOST = "127.0.0.1"
+_STORE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
 def _run(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:  # torch's gloo races with its default two worker threads (heap corruption): see the function
@@ -33,7 +28,8 @@ def _run(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., 
         # thread per core) each rank's OpenMP threads spin, waiting for cores the other ranks hold. Measured
         # in the soak test's step on 2 cores: 0.78 CPU-s with 2 threads, 0.025 with 1.
         torch.set_num_threads(1)
-    dist.init_process_group(backend, rank=rank, world_size=world_size)
+    store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=_STORE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
     try:
         fn(rank, world_size, *args)
         # Everything that holds the group goes before it: compiled code (CUDA graphs hold the group's
@@ -52,5 +48,10 @@ def spawn_ranks(
     fn: Callable[..., Any], world_size: int, *args: Any, backend: Literal["gloo", "nccl"] = "gloo"
 ) -> None:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; a rank's exception is re-raised here with
-    its traceback. ``fn`` must be importable (defined at module level). With NCCL, rank r uses cuda:r."""
-    mp.spawn(_run, args=(world_size, free_port(), backend, fn, args), nprocs=world_size, join=True)
+    its traceback. ``fn`` must be importable (defined at module level). With NCCL, rank r uses cuda:r.
+
+    The ranks meet at a store whose server this process holds, on a port the OS chose when it bound it, for
+    the whole run. (Choosing a free port here and binding it later in rank 0 could lose the port to another
+    process meanwhile: with test runs side by side, one's gloo connections.)"""
+    store = dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
+    mp.spawn(_run, args=(world_size, store.port, backend, fn, args), nprocs=world_size, join=True)
