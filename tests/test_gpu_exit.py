@@ -1,7 +1,7 @@
 """A torchrun script that trains with CUDA graphs and ends with ``destroy_process_group()`` exits (2 GPUs).
 
 It used to hang there on every rank: a live CUDA graph that captured NCCL kernels keeps their communicator
-in use, and NCCL's teardown waits for it (see ``fsdp_compile._internals.release_before_destroy``)."""
+in use, and NCCL's teardown waits for it (``fsdp_compile._internals.release_cuda_graphs_before_destroy``)."""
 
 from __future__ import annotations
 
@@ -28,9 +28,13 @@ def test_a_torchrun_script_with_cuda_graphs_exits_after_destroy_process_group(al
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(EXAMPLE),
         "--steps", "3", "--cudagraphs", "--all-gather", all_gather,
     ]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    lines: list[tuple[float, str]] = []
-    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in proc.stdout))  # type: ignore[union-attr]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    lines: list[tuple[float, str]] = []  # (when it was read, the line)
+    stdout = proc.stdout
+    assert stdout is not None
+    reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), line) for line in stdout))
     reader.start()
     try:
         proc.wait(timeout=240)
