@@ -9,13 +9,12 @@ followed into backward.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-import torch
 import torch.fx as fx
 
-from fsdp_compile._graph import ALL_GATHER, GRAD_REDUCTIONS, WAIT, wait_of
+from fsdp_compile._graph import ALL_GATHER, GRAD_REDUCTIONS, WAIT, nbytes, wait_of
 from fsdp_compile._internals import is_view_op
 
 __all__ = ["Buffer", "ForwardBuffers", "Kind", "forward_buffers", "step_buffers"]
@@ -79,7 +78,7 @@ def step_buffers(forward: ForwardBuffers, backward: fx.Graph | None) -> tuple[Bu
     for b in forward.buffers:
         if b.name in saved:
             reads = [_last_read(inputs[o], index, end) if o in inputs else end for o in saved[b.name]]
-            b = Buffer(b.name, b.group, b.dtype, b.kind, b.nbytes, b.start, max([b.end, *reads]))
+            b = replace(b, end=max([b.end, *reads]))
         extended.append(b)
     backward_buffers, _ = _graph_buffers(backward, "backward", offset)
     return (*extended, *backward_buffers)
@@ -88,35 +87,26 @@ def step_buffers(forward: ForwardBuffers, backward: fx.Graph | None) -> tuple[Bu
 def _graph_buffers(graph: fx.Graph, stage: str, offset: int) -> tuple[tuple[Buffer, ...], Saved]:
     index = {n: offset + i for i, n in enumerate(graph.nodes)}
     end = offset + len(graph.nodes) - 1
-    output = graph.output_node()
-    outputs = {id(a): a.name for a in output.all_input_nodes}
+    outputs = set(graph.output_node().all_input_nodes)
     buffers: list[Buffer] = []
     saved: list[tuple[str, tuple[str, ...]]] = []
     for node in graph.nodes:
         if node.target == ALL_GATHER:
-            value, group = node.meta["val"], str(node.args[2])
-            name = f"{stage}/{node.name}"
+            name, dtype = f"{stage}/{node.name}", str(node.meta["val"].dtype)
             aliases = _aliases(node)
-            escaping = tuple(sorted(outputs[id(a)] for a in aliases if id(a) in outputs))
+            escaping = tuple(sorted(a.name for a in aliases if a in outputs))
             last = _last_read(node, index, end, aliases)
             if escaping:
                 saved.append((name, escaping))
-            buffers.append(Buffer(name, group, str(value.dtype), "gathered", _nbytes(value), index[node], last))
+            buffers.append(Buffer(name, str(node.args[2]), dtype, "gathered", nbytes(node), index[node], last))
         elif node.target in GRAD_REDUCTIONS:
-            source = node.args[0]
-            value = source.meta["val"]
-            group = str(node.args[-1])
-            wait = wait_of(node)
+            source, wait = node.args[0], wait_of(node)
             start = index[source] if source.op != "placeholder" else offset
             buffers.append(
-                Buffer(f"{stage}/{node.name}", group, str(value.dtype), "gradient", _nbytes(value), start,
-                       index[wait] if wait is not None else end)
+                Buffer(f"{stage}/{node.name}", str(node.args[-1]), str(source.meta["val"].dtype), "gradient",
+                       nbytes(source), start, index[wait] if wait is not None else end)
             )
     return tuple(buffers), tuple(saved)
-
-
-def _nbytes(value: torch.Tensor) -> int:
-    return value.numel() * value.element_size()
 
 
 def _aliases(node: fx.Node) -> list[fx.Node]:
