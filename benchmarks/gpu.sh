@@ -4,6 +4,7 @@
 # Everything at once takes longer than one 10-minute device call (the GPU tests ~4 minutes, each system
 # ~30-45 s per run and point): split it. Measured split (2x H100):
 #   OUT=/tmp/out BENCH=0 bash benchmarks/gpu.sh                 # the GPU tests (TEST_TIMEOUT, default 540 s)
+#   OUT=/tmp/out BENCH=0 PYTEST_K="not soak" bash benchmarks/gpu.sh   # some of them (pytest -k)
 #   OUT=/tmp/out TESTS=0 TOKENS=4096 REPEATS=3 bash benchmarks/gpu.sh   # a headline: 3 runs, the default systems
 #   OUT=/tmp/out TESTS=0 SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile_copy_engine" bash benchmarks/gpu.sh
 #   OUT=/tmp/out BENCH=0 TESTS=0 CONTENTION=1 bash benchmarks/gpu.sh   # gemm_contention.py only
@@ -28,7 +29,8 @@ python3 -m pip install --no-deps --no-build-isolation -q -e . >"$OUT/install.log
   "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"; } | tee "$OUT/env.log"
 
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider tests >"$OUT/pytest_gpu.log" 2>&1
+  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests \
+    >"$OUT/pytest_gpu.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "GPU tests exit $rc (124: killed at TEST_TIMEOUT)"; status=1; }
 fi
 if [ "${CONTENTION:-0}" = 1 ]; then

@@ -16,6 +16,7 @@ from fsdp_compile._state_dict import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
+from fsdp_compile._slots import slab_bytes
 from fsdp_compile._unit import sharded_units
 from fsdp_compile.config import BackendConfig, MixedPrecision
 
@@ -36,5 +37,6 @@ __all__ = [
     "shard",
     "sharded_optimizer_state_dict",
     "sharded_units",
+    "slab_bytes",
     "sync_buffers",
 ]

@@ -49,7 +49,9 @@ def _post_grad_passes(config: BackendConfig) -> PassPipeline:
         passes.append(
             ScheduleOverlap(prefetch=config.prefetch, max_inflight_grad_reductions=config.max_inflight_grad_reductions)
         )
-    passes.append(PlanMemory())
+    passes.append(
+        PlanMemory(apply=config.memory_plan, symmetric=config.all_gather == "copy_engine", cudagraphs=config.cudagraphs)
+    )
     if config.all_gather == "copy_engine":
         passes.append(LowerToSymmMem())
     return PassPipeline(passes)
@@ -185,7 +187,7 @@ def _compile(
             "this torch gives fsdp_compile no way to free Inductor's CUDA graphs before destroy_process_group(), "
             "which then waits for them forever: call torch._dynamo.reset() before destroy_process_group()",
         )
-    if config.all_gather == "copy_engine":
+    if config.all_gather == "copy_engine" and not config.memory_plan:  # else: only what the plan leaves unslotted
         _reserve_workspaces(gm, plan)
     if config.compiler == "aot_eager":
         return _internals.aot_autograd(

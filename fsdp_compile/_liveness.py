@@ -14,10 +14,10 @@ from typing import Literal
 
 import torch.fx as fx
 
-from fsdp_compile._graph import ALL_GATHER, GRAD_REDUCTIONS, WAIT, nbytes, wait_of
+from fsdp_compile._graph import ALL_GATHER, ALL_GATHER_OUT, GRAD_REDUCTIONS, WAIT, nbytes, wait_of
 from fsdp_compile._internals import is_view_op
 
-__all__ = ["Buffer", "ForwardBuffers", "Kind", "forward_buffers", "step_buffers"]
+__all__ = ["Buffer", "ForwardBuffers", "Kind", "forward_buffers", "last_read", "step_buffers"]
 
 Kind = Literal["gathered", "gradient"]
 Saved = tuple[tuple[str, tuple[str, ...]], ...]
@@ -37,6 +37,9 @@ class Buffer:
     start: int
     end: int
     """Inclusive: the last step position at which the buffer is read."""
+    escapes: bool = False
+    """An output of its graph aliases it (a unit kept gathered for backward): it is read after its graph ends,
+    when another graph (or another run of the same one) may use the slots, so it never takes a slot."""
 
     @property
     def klass(self) -> tuple[str, str, str]:
@@ -77,7 +80,7 @@ def step_buffers(forward: ForwardBuffers, backward: fx.Graph | None) -> tuple[Bu
     saved = dict(forward.saved)
     for b in forward.buffers:
         if b.name in saved:
-            reads = [_last_read(inputs[o], index, end) if o in inputs else end for o in saved[b.name]]
+            reads = [last_read(inputs[o], index, end) if o in inputs else end for o in saved[b.name]]
             b = replace(b, end=max([b.end, *reads]))
         extended.append(b)
     backward_buffers, _ = _graph_buffers(backward, "backward", offset)
@@ -91,14 +94,16 @@ def _graph_buffers(graph: fx.Graph, stage: str, offset: int) -> tuple[tuple[Buff
     buffers: list[Buffer] = []
     saved: list[tuple[str, tuple[str, ...]]] = []
     for node in graph.nodes:
-        if node.target == ALL_GATHER:
+        if node.target in (ALL_GATHER, ALL_GATHER_OUT):  # the latter: written into its slot
             name, dtype = f"{stage}/{node.name}", str(node.meta["val"].dtype)
             aliases = _aliases(node)
             escaping = tuple(sorted(a.name for a in aliases if a in outputs))
-            last = _last_read(node, index, end, aliases)
+            last = last_read(node, index, end, aliases)
             if escaping:
                 saved.append((name, escaping))
-            buffers.append(Buffer(name, str(node.args[2]), dtype, "gathered", nbytes(node), index[node], last))
+            buffers.append(
+                Buffer(name, str(node.args[2]), dtype, "gathered", nbytes(node), index[node], last, bool(escaping))
+            )
         elif node.target in GRAD_REDUCTIONS:
             source, wait = node.args[0], wait_of(node)
             start = index[source] if source.op != "placeholder" else offset
@@ -124,7 +129,7 @@ def _is_view(node: fx.Node) -> bool:
     return node.op == "call_function" and (node.target in (WAIT, operator.getitem) or is_view_op(node.target))
 
 
-def _last_read(node: fx.Node, index: dict[fx.Node, int], end: int, aliases: list[fx.Node] | None = None) -> int:
+def last_read(node: fx.Node, index: dict[fx.Node, int], end: int, aliases: list[fx.Node] | None = None) -> int:
     """The last position at which ``node``'s result is read through any alias (``end`` if a graph output is
     one: read after the graph)."""
     last = index[node]

@@ -72,6 +72,11 @@ class BackendConfig:
     the SMs to the matmuls they overlap with (``lowering/lower_to_symm_mem.py``). Needs CUDA tensors, a
     torch with symmetric memory, and GPUs with peer access (NVLink)."""
 
+    memory_plan: bool = True
+    """Apply the memory plan (``passes/plan_memory.py``): every all-gather whose output does not outlive its
+    graph writes into a persistent slot of its process group's slab, sized by the planner from the live
+    ranges, instead of a buffer of its own. ``False``: planned and logged only (for A/B measurements)."""
+
     cudagraphs: bool = False
     """Run the forward and backward graphs as CUDA graphs (Inductor's ``triton.cudagraphs``): one replay
     per graph instead of one launch per kernel and collective. For steps the host cannot enqueue as fast
@@ -99,7 +104,7 @@ class BackendConfig:
             object.__setattr__(self, "max_inflight_grad_reductions", max_inflight_reduce_scatters)
         _check_choice("compiler", self.compiler, ("inductor", "aot_eager"))
         _check_choice("all_gather", self.all_gather, ("nccl", "copy_engine"))
-        for name in ("overlap", "cudagraphs"):
+        for name in ("overlap", "memory_plan", "cudagraphs"):
             _check_bool(name, getattr(self, name))
         _check_int("prefetch", self.prefetch, minimum=0, meaning="units issued ahead")
         _check_int(

@@ -1,31 +1,34 @@
 """Lower the units' all-gathers to copy-engine all-gathers through symmetric memory.
 
-Precondition: a post-grad forward or backward graph (after ``schedule_overlap``) whose all-gathers are
-``_c10d_functional.all_gather_into_tensor`` -> ``wait_tensor`` chains on CUDA tensors.
-Postcondition: each all-gather is ``fsdp_compile.all_gather_copy_engine`` with the same arguments plus the
-graph's largest shard in bytes (the workspace size), the same result and the same place in the graph; its
-``wait_tensor`` is unchanged. Nothing else moves.
+Precondition: a post-grad forward or backward graph (after ``schedule_overlap`` and ``plan_memory``) whose
+all-gathers are ``_c10d_functional`` all-gathers -> ``wait_tensor`` on CUDA tensors: into a slot of the
+group's symmetric slab (``all_gather_into_tensor_out``, the memory plan applied) or into a buffer of their
+own (``all_gather_into_tensor``: the plan not applied, or an output kept for backward).
+Postcondition: an all-gather into a slot is ``fsdp_compile.all_gather_into_slot_copy_engine`` (it mutates its
+``out``; its ``wait_tensor`` waits for ``out``); where the shard was cast to ``param_dtype`` just for the
+all-gather, the op takes the uncast shard and casts it into its place in the slot. Any other all-gather is
+``fsdp_compile.all_gather_copy_engine``, with the graph's largest shard in bytes (its staging workspace) as one
+more argument. Nothing moves.
 
 Why: NCCL's all-gather kernels hold SMs (24 on H100) while they run, and the matmuls that the overlap
 schedule puts beside them run slower for it. A copy-engine all-gather moves the bytes with the GPU's copy
 engines (peer-to-peer memcpy over NVLink) and uses SMs only for two one-block barrier kernels.
 
-How one all-gather runs (``all_gather_copy_engine``), on ``w`` ranks:
-1. compute stream: copy the shard into this rank's part of the output. The shard is read on the compute
-   stream only, so Inductor may reuse its buffer as soon as the call returns.
-2. side stream (symmetric memory's backend stream), after the compute stream: copy that part into this
-   rank's slice of the group's symmetric workspace (``get_symm_mem_workspace``; the previous all-gather's
-   closing barrier, earlier on the same stream, guarantees no peer still reads it), a barrier (every
-   rank's shard is in its workspace), ``w - 1`` memcpys of the peers' workspaces into the output, a
-   barrier. The output is registered with c10d, so the graph's ``wait_tensor`` makes the compute stream
-   wait for the side stream. The side stream forks from the compute stream and joins it at the wait, which
-   is also what CUDA-graph capture needs.
-The workspace is allocated when the backend compiles (``reserve_workspace``), sized to the largest shard,
-so it does not grow while all-gathers are in flight, nor inside a CUDA graph's memory pool. Where it must
-grow (a later graph with a larger shard), the call first waits for the GPU to finish: the last
-all-gather's closing barrier has then passed, so no peer reads the old workspace any more. Allocation is a
-collective: every rank calls the all-gathers in the same order. Needs a CUDA build of torch with symmetric
-memory and GPUs that can map each other's memory (NVLink or PCIe peer access); ``plan_symm_mem`` raises for
+How an all-gather into a slot runs (``all_gather_into_slot_copy_engine``), on ``w`` ranks, with no staging:
+1. compute stream: copy (and cast) the shard into this rank's part of the slot; peers read it from there.
+2. side stream (symmetric memory's backend stream), after the compute stream: a barrier (every rank's part
+   is in place), ``w - 1`` memcpys of the peers' parts of the same slot into this rank's slot (the slabs
+   have the same layout on every rank), a barrier (no peer reads this rank's part any more: the slot's next
+   occupant may be written once this all-gather is waited for). The slot is registered with c10d, so the
+   graph's ``wait_tensor`` makes the compute stream wait for the side stream. The side stream forks from the
+   compute stream and joins it at the wait, which is also what CUDA-graph capture needs.
+An all-gather into its own buffer (``all_gather_copy_engine``) also copies its part into this rank's slice of
+the group's symmetric workspace first (``get_symm_mem_workspace``), and the peers read it from there. The
+workspace is allocated when the backend compiles (``reserve_workspace``), sized to the largest shard, so it
+does not grow while all-gathers are in flight, nor inside a CUDA graph's memory pool. Where it must grow (a
+later graph with a larger shard), the call first waits for the GPU to finish. Allocation is a collective:
+every rank calls the all-gathers in the same order. Needs a CUDA build of torch with symmetric memory and
+GPUs that can map each other's memory (NVLink or PCIe peer access); ``plan_symm_mem`` raises for
 all-gathers on other devices.
 """
 
@@ -40,19 +43,24 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile import _internals
+from fsdp_compile._internals import symm_mem
 from fsdp_compile._graph import (
     ALL_GATHER,
+    ALL_GATHER_OUT,
+    CASTS,
     GraphPass,
     lint_and_recompile,
     named,
     plan_json,
 )
+from fsdp_compile._slots import slab_of
 from fsdp_compile.debug import degraded
 
 __all__ = [
     "LowerToSymmMem",
     "SymmMemPlan",
     "all_gather_copy_engine",
+    "all_gather_into_slot_copy_engine",
     "apply_symm_mem",
     "plan_symm_mem",
     "reserve_workspace",
@@ -86,7 +94,7 @@ def reserve_workspace(group_name: str, nbytes: int) -> Any:
             _internals.counters["fsdp_compile"]["symm_mem_workspace_regrowths"] += 1
         torch.cuda.synchronize()  # growing frees the old workspace: nothing may still read it
         _workspace_bytes[group_name] = nbytes
-    return _internals.symm_mem_workspace(group_name, _workspace_bytes[group_name])
+    return symm_mem.workspace(group_name, _workspace_bytes[group_name])
 
 
 @torch.library.custom_op("fsdp_compile::all_gather_copy_engine", mutates_args=(), device_types="cuda")
@@ -105,7 +113,7 @@ def all_gather_copy_engine(
     output = shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
     parts = output.chunk(group_size)
     parts[workspace.rank].copy_(shard)
-    side = _internals.symm_mem_backend_stream()
+    side = symm_mem.backend_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         workspace.get_buffer(workspace.rank, shard.shape, shard.dtype).copy_(parts[workspace.rank])
@@ -114,7 +122,7 @@ def all_gather_copy_engine(
             if rank != workspace.rank:
                 part.copy_(workspace.get_buffer(rank, shard.shape, shard.dtype))
         workspace.barrier()
-        _internals.register_work(output)  # its event: recorded on `side`
+        symm_mem.register_work(output)  # its event: recorded on `side`
     return output
 
 
@@ -123,44 +131,92 @@ def _(shard: torch.Tensor, group_size: int, group_name: str, workspace_bytes: in
     return shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
 
 
+@torch.library.custom_op("fsdp_compile::all_gather_into_slot_copy_engine", mutates_args=("out",), device_types="cuda")
+def all_gather_into_slot_copy_engine(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
+    """``all_gather_into_tensor_out(shard.to(out.dtype), group_size, group_name, out=out)`` by copy engines, where
+    ``out`` is (a view of) a slot of the group's symmetric slab; wait with ``wait_tensor(out)`` (steps: the
+    module docstring)."""
+    slab = slab_of(group_name, out.device)
+    rank, part = slab.handle.rank, shard.numel()
+    parts = out.view(group_size, part)
+    parts[rank].copy_(shard)
+    start = (out.data_ptr() - slab.memory.data_ptr()) // out.element_size()  # the same place in every slab
+    side = symm_mem.backend_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        slab.handle.barrier()
+        for peer in range(group_size):
+            if peer != rank:
+                parts[peer].copy_(slab.handle.get_buffer(peer, (part,), out.dtype, start + peer * part))
+        slab.handle.barrier()
+        symm_mem.register_work(out)  # its event: recorded on `side`
+
+
+@all_gather_into_slot_copy_engine.register_fake
+def _(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
+    return None
+
+
 @dataclass(frozen=True)
 class SymmMemPlan:
     gathers: tuple[str, ...]
-    """The all-gathers lowered to copy engines, in graph order."""
+    """The all-gathers into buffers of their own, lowered to copy engines through the workspace, in graph order."""
     workspace_bytes: int
-    """The largest shard: the symmetric workspace each rank needs."""
+    """Their largest shard: the symmetric workspace each rank needs."""
+    into_slots: tuple[str, ...] = ()
+    """The all-gathers into slots, lowered to copy engines with no staging, in graph order."""
+    casts_taken: tuple[str, ...] = ()
+    """The casts to ``param_dtype`` whose work these all-gathers take over (each casts into its slot)."""
 
     def to_json(self) -> str:
         return plan_json(self)
 
     def summary(self) -> str:
-        return f"{len(self.gathers)} all-gathers on copy engines"
+        total = len(self.gathers) + len(self.into_slots)
+        return f"{total} all-gathers on copy engines ({len(self.into_slots)} into slots)"
 
 
 def plan_symm_mem(graph: fx.Graph) -> SymmMemPlan:
     gathers = [n for n in graph.nodes if n.target == ALL_GATHER]
-    shards = [ag.args[0].meta["val"] for ag in gathers]
+    into_slots = [n for n in graph.nodes if n.target == ALL_GATHER_OUT]
+    shards = [ag.args[0].meta["val"] for ag in gathers + into_slots]
+    own = shards[: len(gathers)]
     elsewhere = sorted({str(s.device) for s in shards if s.device.type != "cuda"})
     if elsewhere:
         raise ValueError(
             f"all_gather='copy_engine' needs all-gathers of CUDA tensors (peer copies between GPUs), but this "
             f"graph all-gathers on {', '.join(elsewhere)}: use all_gather='nccl' there"
         )
+    casts = [ag.args[0] for ag in into_slots]
     return SymmMemPlan(
         gathers=tuple(ag.name for ag in gathers),
-        workspace_bytes=workspace_nbytes((s.numel(), s.dtype) for s in shards),
+        workspace_bytes=workspace_nbytes((s.numel(), s.dtype) for s in own),
+        into_slots=tuple(ag.name for ag in into_slots),
+        casts_taken=tuple(c.name for c in casts if c.target in CASTS and len(c.users) == 1),
     )
 
 
 def apply_symm_mem(gm: fx.GraphModule, plan: SymmMemPlan) -> None:
-    for node in named(gm.graph, plan.gathers):
+    gathers = named(gm.graph, plan.gathers)
+    for group_name in sorted({str(n.args[2]) for n in gathers if n.args[0].meta["val"].is_cuda}):
+        reserve_workspace(group_name, plan.workspace_bytes)  # done already unless the memory plan is applied
+    for node in gathers:
         node.target = torch.ops.fsdp_compile.all_gather_copy_engine.default
         node.args = (*node.args, plan.workspace_bytes)
+    casts = set(plan.casts_taken)
+    for node in named(gm.graph, plan.into_slots):
+        shard, out = node.args[0], node.kwargs["out"]
+        if shard.name in casts:
+            node.args = (shard.args[0], *node.args[1:])
+            gm.graph.erase_node(shard)
+        node.target = torch.ops.fsdp_compile.all_gather_into_slot_copy_engine.default
+        node.meta["val"] = None
+        node.replace_all_uses_with(out)  # its wait_tensor waits for the slot
     lint_and_recompile(gm)
 
 
 class LowerToSymmMem(GraphPass):
-    """The lowering as part of Inductor's ``post_grad_custom_post_pass`` (after ``schedule_overlap``)."""
+    """The lowering as part of Inductor's ``post_grad_custom_post_pass`` (after ``plan_memory``)."""
 
     name = "lower_to_symm_mem"
     plan = staticmethod(plan_symm_mem)

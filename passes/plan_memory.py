@@ -2,10 +2,12 @@
 
 Precondition: the scheduled post-grad forward graph of a compiled step (after ``schedule_overlap``) and,
 once it is compiled, its backward graph (live ranges: ``fsdp_compile._liveness``).
-Postcondition: nothing in the graphs changes. The plan (``MemoryPlan``) says, per process group, dtype and
-kind, which slots the step needs, their sizes, and which slot each collective's buffer takes; it is logged
-as the structured artifact ``fsdp_compile_memory_plan``. It is not applied yet: the collectives still
-allocate their own outputs (what ``per_collective_bytes`` counts).
+Postcondition: the plan (``MemoryPlan``) says, per process group, dtype and kind, which slots the step
+needs, their sizes and places in the group's slab, and which slot each collective's buffer takes; it is
+logged as the structured artifact ``fsdp_compile_memory_plan``. Applied (the default), each graph's
+all-gathers write into their slots: ``all_gather_into_tensor_out`` into a view of a ``fsdp_compile::slot``
+node (``fsdp_compile._slots``); the rest of the graph is unchanged. Gradient buffers are planned, not
+applied yet (the reductions read the gradients where Inductor put them).
 
 Buffers, in the step's order (the forward's nodes, then the backward's):
 - ``gathered``: an all-gather's output. Live from the all-gather's issue to the last read of any alias of it
@@ -34,11 +36,13 @@ from dataclasses import asdict, dataclass
 
 import torch.fx as fx
 
-from fsdp_compile import _internals, _liveness
+from fsdp_compile import _internals, _liveness, _slots
 from fsdp_compile._graph import GraphPass
 from fsdp_compile._liveness import Buffer, ForwardBuffers, Kind, forward_buffers, step_buffers
+from fsdp_compile._slots import SlotUse, write_into_slots
 
 __all__ = [
+    "SLOT_ALIGNMENT",
     "Buffer",
     "ForwardBuffers",
     "MemoryPlan",
@@ -47,8 +51,13 @@ __all__ = [
     "forward_buffers",
     "hazards",
     "plan_memory",
+    "slot_uses",
     "step_buffers",
 ]
+
+
+SLOT_ALIGNMENT = 256
+"""Bytes: every slot starts at a multiple of this in its group's slab (what CUDA's allocator guarantees)."""
 
 
 @dataclass(frozen=True)
@@ -57,6 +66,8 @@ class Slot:
     dtype: str
     kind: Kind
     nbytes: int
+    offset: int
+    """Where it starts in its group's slab, in bytes: gathered slots first, then gradient slots, in plan order."""
     occupants: tuple[str, ...]
     """Its buffers, by name, in step order."""
 
@@ -70,6 +81,11 @@ class MemoryPlan:
     slots: tuple[Slot, ...]
     assignment: tuple[tuple[str, int], ...]
     """(buffer name, slot index), in step order: the same slot for the same collective every step."""
+    unslotted: tuple[str, ...]
+    """Buffers read after their graph ends (``Buffer.escapes``): each keeps its collective's own allocation."""
+    slabs: tuple[tuple[str, int], ...]
+    """(group, bytes) of the allocation each group's gathered slots live in (applied; gradient slots are
+    planned, not applied yet)."""
     pool_bytes: int
     per_collective_bytes: int
     maxpool_bytes: int
@@ -92,8 +108,8 @@ class MemoryPlan:
 
 
 def plan_memory(buffers: Iterable[Buffer], graphs: Sequence[str] = ("forward", "backward")) -> MemoryPlan:
-    """Assign ``buffers`` to slots (the module docstring's first fit in decreasing size). Pure and
-    deterministic: the same buffers in any order give the same plan."""
+    """Assign ``buffers`` to slots (the module docstring's first fit in decreasing size) and lay the slots out
+    in their groups' slabs. Pure and deterministic: the same buffers in any order give the same plan."""
     ordered = tuple(sorted(buffers, key=_by_start))
     names = [b.name for b in ordered]
     if len(set(names)) != len(names):
@@ -102,6 +118,8 @@ def plan_memory(buffers: Iterable[Buffer], graphs: Sequence[str] = ("forward", "
     slot_sizes: list[int] = []
     slot_members: list[list[Buffer]] = []
     for buffer in sorted(ordered, key=lambda b: (b.klass, -b.nbytes, b.start, b.name)):
+        if buffer.escapes:
+            continue
         for index, key in enumerate(slot_keys):
             if key == buffer.klass and not any(buffer.meets(other) for other in slot_members[index]):
                 slot_members[index].append(buffer)
@@ -110,24 +128,47 @@ def plan_memory(buffers: Iterable[Buffer], graphs: Sequence[str] = ("forward", "
             slot_keys.append(buffer.klass)
             slot_sizes.append(buffer.nbytes)
             slot_members.append([buffer])
+    offsets, slabs = _layout(slot_keys, slot_sizes)
     slots = tuple(
-        Slot(*key, nbytes=size, occupants=tuple(b.name for b in sorted(members, key=_by_start)))  # type: ignore[arg-type]
-        for key, size, members in zip(slot_keys, slot_sizes, slot_members)
+        Slot(*key, nbytes=size, offset=offset, occupants=tuple(b.name for b in sorted(members, key=_by_start)))  # type: ignore[arg-type]
+        for key, size, offset, members in zip(slot_keys, slot_sizes, offsets, slot_members)
     )
     slot_of = {name: index for index, slot in enumerate(slots) for name in slot.occupants}
     largest: dict[tuple[str, str, str], int] = {}
     for buffer in ordered:
         largest[buffer.klass] = max(largest.get(buffer.klass, 0), buffer.nbytes)
+    unslotted = tuple(b for b in ordered if b.escapes)
+    own = sum(b.nbytes for b in unslotted)
     return MemoryPlan(
         graphs=tuple(graphs),
         buffers=ordered,
         slots=slots,
-        assignment=tuple((name, slot_of[name]) for name in names),
-        pool_bytes=sum(slot_sizes),
+        assignment=tuple((name, slot_of[name]) for name in names if name in slot_of),
+        unslotted=tuple(b.name for b in unslotted),
+        slabs=slabs,
+        pool_bytes=sum(slot_sizes) + own,
         per_collective_bytes=sum(b.nbytes for b in ordered),
-        maxpool_bytes=sum(largest[key] for key in slot_keys),
+        maxpool_bytes=sum(largest[key] for key in slot_keys) + own,
         lower_bound_bytes=_most_live_at_once(ordered),
     )
+
+
+def _layout(
+    keys: Sequence[tuple[str, str, str]], sizes: Sequence[int]
+) -> tuple[list[int], tuple[tuple[str, int], ...]]:
+    """Each slot's offset in its group's slab (gathered slots first, each aligned to ``SLOT_ALIGNMENT``), and
+    each group's slab: the end of its gathered slots."""
+    offsets = [0] * len(keys)
+    ends: dict[str, int] = {}
+    slabs: dict[str, int] = {}
+    for kind in ("gathered", "gradient"):
+        for index, ((group, _, slot_kind), size) in enumerate(zip(keys, sizes)):
+            if slot_kind == kind:
+                offsets[index] = ends.get(group, 0)
+                ends[group] = offsets[index] + -(-size // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+        if kind == "gathered":
+            slabs = dict(ends)
+    return offsets, tuple(sorted(slabs.items()))
 
 
 def _by_start(b: Buffer) -> tuple[int, int, str]:
@@ -145,12 +186,17 @@ def _most_live_at_once(buffers: Sequence[Buffer]) -> int:
 
 def hazards(plan: MemoryPlan) -> list[str]:
     """What would make the plan unsafe, in words (empty if none): two buffers that meet in one slot, a
-    buffer larger than its slot or of another group, dtype or kind, a buffer in no slot or in two."""
+    buffer larger than its slot or of another group, dtype or kind, a buffer in no slot or in two, an escaping
+    buffer in a slot, slots that overlap in their slab."""
     found: list[str] = []
     by_name = {b.name: b for b in plan.buffers}
     placed = [name for slot in plan.slots for name in slot.occupants]
-    for name in sorted(set(by_name) ^ set(placed)):
-        found.append(f"{name}: in no slot" if name in by_name else f"{name}: in a slot but not a buffer")
+    slotted = {name for name, b in by_name.items() if not b.escapes}
+    if set(plan.unslotted) != set(by_name) - slotted:
+        escaping = sorted(set(by_name) - slotted)
+        found.append(f"unslotted {sorted(plan.unslotted)} are not the escaping buffers {escaping}")
+    for name in sorted(slotted ^ set(placed)):
+        found.append(f"{name}: in no slot" if name in slotted else f"{name}: in a slot but not a slotted buffer")
     for name in sorted({n for n in placed if placed.count(n) > 1}):
         found.append(f"{name}: in several slots")
     if dict(plan.assignment) != {name: i for i, slot in enumerate(plan.slots) for name in slot.occupants}:
@@ -168,6 +214,10 @@ def hazards(plan: MemoryPlan) -> list[str]:
                     found.append(
                         f"{a.name} [{a.start}, {a.end}] and {b.name} [{b.start}, {b.end}] meet in slot {index}"
                     )
+        for other_index, other in enumerate(plan.slots[:index]):
+            overlap = slot.offset < other.offset + other.nbytes and other.offset < slot.offset + slot.nbytes
+            if other.group == slot.group and overlap:
+                found.append(f"slots {other_index} and {index} overlap in group {slot.group}'s slab")
     return found
 
 
@@ -180,9 +230,19 @@ _KEPT_FORWARDS = 64
 class PlanMemory(GraphPass):
     """The planner as part of Inductor's ``post_grad_custom_post_pass`` (after ``schedule_overlap``): a forward
     graph is planned alone and kept for its backward; a backward graph is planned with its forward (the
-    step). AOTAutograd compiles the backward at its first call, in the forward's compile context."""
+    step). AOTAutograd compiles the backward at its first call, in the forward's compile context. With
+    ``apply``, each graph's all-gathers then write into their slots (``fsdp_compile._slots``)."""
 
     name = "memory"
+
+    def __init__(self, *, apply: bool = True, symmetric: bool = False, cudagraphs: bool = False) -> None:
+        self.write_slots = apply
+        self.symmetric = symmetric
+        """Slabs on GPUs in symmetric memory (the copy-engine all-gather reads the peers' slots)."""
+        self.cudagraphs = cudagraphs
+
+    def options(self) -> str:
+        return f"apply={self.write_slots} symmetric={self.symmetric} cudagraphs={self.cudagraphs}"
 
     def plan(self, graph: fx.Graph) -> MemoryPlan:
         if not _is_backward(graph):
@@ -193,16 +253,33 @@ class PlanMemory(GraphPass):
         return plan_memory(step_buffers(forward, graph))
 
     def sources(self) -> Sequence[str]:
-        return (*super().sources(), _liveness.__file__)
+        return (*super().sources(), _liveness.__file__, _slots.__file__)
 
     def apply(self, gm: fx.GraphModule, plan: MemoryPlan) -> None:
-        """Changes no node: keeps a forward's buffers for its backward, and lets them go once it is planned."""
-        if _is_backward(gm.graph):
+        """Keeps a forward's buffers for its backward (and lets them go once it is planned), then writes the
+        graph's all-gathers into their slots."""
+        stage = "backward" if _is_backward(gm.graph) else "forward"
+        if stage == "backward":
             _forwards.pop(_internals.current_compile_id(), None)
-            return
-        _forwards[_internals.current_compile_id()] = forward_buffers(gm.graph)
-        while len(_forwards) > _KEPT_FORWARDS:
-            del _forwards[next(iter(_forwards))]
+        else:
+            _forwards[_internals.current_compile_id()] = forward_buffers(gm.graph)
+            while len(_forwards) > _KEPT_FORWARDS:
+                del _forwards[next(iter(_forwards))]
+        if self.write_slots:
+            uses = slot_uses(plan, stage)
+            write_into_slots(gm, uses, symmetric=self.symmetric, keep_old=self.cudagraphs)
+            _internals.counters["fsdp_compile"]["slotted_all_gathers"] += sum(len(u.gathers) for u in uses)
+
+
+def slot_uses(plan: MemoryPlan, stage: str) -> tuple[SlotUse, ...]:
+    """The plan's gathered slots that hold buffers of the graph ``stage`` (``"forward"``/``"backward"``)."""
+    slabs = dict(plan.slabs)
+    uses = []
+    for slot in plan.slots:
+        gathers = tuple(name.split("/", 1)[1] for name in slot.occupants if name.startswith(f"{stage}/"))
+        if slot.kind == "gathered" and gathers:
+            uses.append(SlotUse(slot.group, slot.offset, slot.nbytes, slabs[slot.group], gathers))
+    return tuple(uses)
 
 
 def _is_backward(graph: fx.Graph) -> bool:

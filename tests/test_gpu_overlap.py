@@ -1,7 +1,10 @@
 """On 2 GPUs: with schedule_overlap, all-gather and reduce-scatter kernels run concurrently with compute
 kernels (profiler trace), where without the pass they do not; with ``all_gather="copy_engine"`` the
-all-gathers are memcpys, not NCCL kernels, and they too run beside compute. (How much time that saves is
-the benchmark's business: tests assert behaviour, not timings.)"""
+all-gathers are memcpys, not NCCL kernels, and they too run beside compute: one peer copy per all-gather
+into its slot (the memory plan applied), no staging copy. Memory: the slabs hold what the plan asked for
+(symmetric bytes measured by the driver), and the peak is no higher than with NCCL all-gathers into
+buffers of their own. (How much time that saves is the benchmark's business: tests assert behaviour, not
+timings.)"""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import torch
 
 import fsdp_compile
 from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.graphs import memory_plans
 from fsdp_compile.testing.llama import Block, Llama, LlamaConfig
 from fsdp_compile.testing.profile import (
     communication_overlap,
@@ -31,12 +35,19 @@ STEPS = 3
 # 23 ms GPU idle per step and 0.08 ms overlapped while rank 1 had 6.7 ms overlapped).
 MEDIUM = LlamaConfig(vocab_size=8192, dim=2048, n_layers=8, n_heads=16, ffn_dim=5632, max_seq_len=2048)
 BATCH = 4
-CONFIGS = {"on": {}, "off": {"overlap": False}, "copy_engine": {"all_gather": "copy_engine"}}
-"""The overlap pass on (NCCL all-gathers), off, and on with copy-engine all-gathers."""
+CONFIGS = {
+    "on": {},
+    "off": {"overlap": False},
+    "unplanned": {"memory_plan": False},
+    "copy_engine": {"all_gather": "copy_engine"},
+    "copy_engine_unplanned": {"all_gather": "copy_engine", "memory_plan": False},
+}
+"""The overlap pass on (NCCL all-gathers, into slots), off, on without the memory plan, and on with
+copy-engine all-gathers into slots (symmetric slabs) or staged through the workspace (no plan)."""
 
 
 def _profile(rank: int, world_size: int, out: str) -> None:
-    results, all_gather_kernels, copies = {}, {}, {}
+    results, all_gather_kernels, copies, memory = {}, {}, {}, {}
     for name, options in CONFIGS.items():
         torch._dynamo.reset()
         torch.manual_seed(0)
@@ -46,18 +57,36 @@ def _profile(rank: int, world_size: int, out: str) -> None:
         fsdp_compile.shard(model, units=[Block], mp=mp)
         compiled = torch.compile(model, backend=fsdp_compile.backend(**options), fullgraph=True)
         tokens = torch.randint(0, MEDIUM.vocab_size, (BATCH, MEDIUM.max_seq_len + 1), device="cuda")
-        for _ in range(3):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        free, reserved = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+        with memory_plans() as plans:
+            compiled(tokens[:, :-1], tokens[:, 1:]).backward()  # compiles: the passes run, the slabs are made
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        outside_allocator = free - torch.cuda.mem_get_info()[0] - (torch.cuda.memory_reserved() - reserved)
+        for _ in range(2):
             compiled(tokens[:, :-1], tokens[:, 1:]).backward()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        resident = torch.cuda.memory_allocated()
         with tempfile.NamedTemporaryFile(suffix=".json") as trace:
             trace_steps(lambda i: compiled(tokens[:, :-1], tokens[:, 1:]).backward(), STEPS, trace.name)
             results[name] = communication_overlap(trace.name, steps=STEPS)
             activity = gpu_activity(trace.name)
+        slabs_mib = max(sum(n for _, n in p["slabs"]) / 2**20 for p in plans) if options.get("memory_plan", True) else 0
+        memory[name] = {  # a step's peak above what stays allocated, plus the slabs it uses (allocated once)
+            "peak_mib": (torch.cuda.max_memory_allocated() - resident) / 2**20 + slabs_mib,
+            "slabs_mib": slabs_mib,
+            "outside_allocator_mib": outside_allocator / 2**20,
+            "pool_mib": [p["pool_bytes"] / 2**20 for p in plans],
+        }
         all_gather_kernels[name] = sum("nccl" in k.lower() and "allgather" in k.lower() for k, _, _ in activity)
         memcpys = [(s, e) for k, s, e in activity if k.startswith("Memcpy")]
         kernels = [(s, e) for k, s, e in activity if not k.startswith("Memcpy") and not is_communication(k)]
         copies[name] = {"count": len(memcpys), "beside_compute_ms": length(intersect(union(memcpys), union(kernels))) / 1e3,
                         "kinds": sorted({k for k, _, _ in activity if k.startswith("Memcpy")})}
-    summary = f"rank {rank}: {results}; NCCL all-gather kernels {all_gather_kernels}; memcpys {copies}"
+    summary = f"rank {rank}: {results}; NCCL all-gather kernels {all_gather_kernels}; memcpys {copies}; memory {memory}"
     if rank == 0:
         with open(out, "w") as f:
             f.write(summary)
@@ -70,12 +99,23 @@ def _profile(rank: int, world_size: int, out: str) -> None:
     # Without the pass every wait follows its collective at once: nothing runs beside a NCCL kernel (measured
     # 0.0 ms on both ranks; the margin is for the profiler's timestamps at kernel boundaries).
     assert off["overlapped"] < 0.05, off
-    # Copy-engine all-gathers: no NCCL all-gather kernel; three memcpys each on 2 ranks (shard -> output,
-    # output -> workspace, the peer's workspace -> output), which run beside compute kernels.
-    assert all_gather_kernels["on"] > 0 and all_gather_kernels["copy_engine"] == 0, all_gather_kernels
-    gathers_per_step = 2 * (MEDIUM.n_layers + 1)  # forward and backward, every block and the root
-    assert copies["copy_engine"]["count"] - copies["on"]["count"] >= STEPS * gathers_per_step * 3, copies
+    # Copy-engine all-gathers: no NCCL all-gather kernel. Into slots: one memcpy each on 2 ranks (the peer's
+    # part of its slot -> this rank's slot; the cast writes this rank's part in place). Staged through the
+    # workspace (no plan): three (shard -> output, output -> workspace, the peer's workspace -> output).
+    gathers = STEPS * 2 * (MEDIUM.n_layers + 1)  # forward and backward, every block and the root
+    assert all_gather_kernels["on"] > 0, all_gather_kernels
+    assert all_gather_kernels["copy_engine"] == all_gather_kernels["copy_engine_unplanned"] == 0, all_gather_kernels
+    assert copies["copy_engine"]["count"] - copies["on"]["count"] == gathers, copies
+    assert all("PtoP" in k for k in set(copies["copy_engine"]["kinds"]) - set(copies["on"]["kinds"])), copies
+    assert copies["copy_engine_unplanned"]["count"] - copies["on"]["count"] >= gathers * 3, copies
     assert copies["copy_engine"]["beside_compute_ms"] > 0, copies
+    # Memory: the symmetric slab the driver gave (memory outside the caching allocator, made in the first
+    # step) is what the plans asked for, within 5%; no step peaks higher than with all-gathers into buffers
+    # of their own.
+    ce = memory["copy_engine"]
+    assert ce["slabs_mib"] > 0 and abs(ce["outside_allocator_mib"] - ce["slabs_mib"]) <= 0.05 * ce["slabs_mib"], memory
+    for name in ("on", "copy_engine"):
+        assert memory[name]["peak_mib"] <= memory["unplanned"]["peak_mib"], memory
 
 
 @pytest.mark.gpu

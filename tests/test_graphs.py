@@ -17,10 +17,14 @@ from fsdp_compile.testing.llama import LLAMA_TINY, LlamaConfig
 N_UNITS = LLAMA_TINY.n_layers + 1  # one per block + the root (embedding tied with output, final norm)
 _c10d = torch.ops._c10d_functional
 RS, A2A = _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default
+AG, AG_OUT = _c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_out.default
+ALL_GATHERS = (AG, AG_OUT)
+"""An all-gather into a buffer of its own, or (the memory plan applied) into its slot."""
 
 
-def _count(gm: fx.GraphModule, target: object) -> int:
-    return sum(1 for n in gm.graph.nodes if n.target == target)
+def _count(gm: fx.GraphModule, targets: object) -> int:
+    targets = targets if isinstance(targets, tuple) else (targets,)
+    return sum(1 for n in gm.graph.nodes if n.target in targets)
 
 
 def _graphs(
@@ -78,13 +82,13 @@ def test_dynamo_graph_has_one_gather_per_unit_and_no_marker(graphs: dict[str, fx
 
 def test_forward_has_one_all_gather_per_unit(graphs: dict[str, fx.GraphModule]) -> None:
     fwd = graphs["forward"]
-    assert _count(fwd, _c10d.all_gather_into_tensor.default) == N_UNITS
+    assert _count(fwd, ALL_GATHERS) == N_UNITS
     assert not _reductions(fwd)
 
 
 def test_backward_regathers_and_reduces_once_per_unit(graphs: dict[str, fx.GraphModule]) -> None:
     bwd = graphs["backward"]
-    assert _count(bwd, _c10d.all_gather_into_tensor.default) == N_UNITS
+    assert _count(bwd, ALL_GATHERS) == N_UNITS
     assert len(_reductions(bwd)) == N_UNITS
 
 
@@ -111,14 +115,14 @@ def test_no_gathered_parameter_is_saved_for_backward(graphs: dict[str, fx.GraphM
     assert sum(1 for a in saved if a.op == "placeholder") >= N_UNITS
 
 
-def _dtypes(gm: fx.GraphModule, target: object) -> set[torch.dtype]:
-    return {n.meta["val"].dtype for n in gm.graph.nodes if n.target == target}
+def _dtypes(gm: fx.GraphModule, targets: tuple[object, ...]) -> set[torch.dtype]:
+    return {n.meta["val"].dtype for n in gm.graph.nodes if n.target in targets}
 
 
 def test_collective_dtypes_follow_mixed_precision(case: tuple[dict[str, fx.GraphModule], Expected]) -> None:
     graphs, (gather_dtype, reduction, wire_dtype) = case
-    assert _dtypes(graphs["forward"], _c10d.all_gather_into_tensor.default) == {gather_dtype}
-    assert _dtypes(graphs["backward"], _c10d.all_gather_into_tensor.default) == {gather_dtype}
+    assert _dtypes(graphs["forward"], ALL_GATHERS) == {gather_dtype}
+    assert _dtypes(graphs["backward"], ALL_GATHERS) == {gather_dtype}
     reductions = _reductions(graphs["backward"])
     assert {n.target for n in reductions} == {reduction}
     assert {n.meta["val"].dtype for n in reductions} == {wire_dtype}
@@ -136,16 +140,16 @@ def test_collective_dtypes_follow_mixed_precision(case: tuple[dict[str, fx.Graph
 def test_activation_checkpointing_regathers_each_unit_once() -> None:
     cfg = dataclasses.replace(LLAMA_TINY, checkpoint_blocks=True)
     graphs = _graphs("aot_eager", fsdp_compile.MixedPrecision(), cfg)
-    assert _count(graphs["forward"], _c10d.all_gather_into_tensor.default) == N_UNITS
+    assert _count(graphs["forward"], ALL_GATHERS) == N_UNITS
     # The recomputed blocks and their gradients share one re-gather per unit.
-    assert _count(graphs["backward"], _c10d.all_gather_into_tensor.default) == N_UNITS
+    assert _count(graphs["backward"], ALL_GATHERS) == N_UNITS
     assert len(_reductions(graphs["backward"])) == N_UNITS
     test_no_gathered_parameter_is_saved_for_backward(graphs)
 
 
 def test_without_gradient_sync_backward_has_no_reduce_scatter() -> None:
     graphs = _graphs("aot_eager", fsdp_compile.MixedPrecision(), gradient_sync=False)
-    assert _count(graphs["backward"], _c10d.all_gather_into_tensor.default) == N_UNITS
+    assert _count(graphs["backward"], ALL_GATHERS) == N_UNITS
     assert not _reductions(graphs["backward"])
     test_no_gathered_parameter_is_saved_for_backward(graphs)
 
@@ -154,8 +158,9 @@ def test_without_gradient_sync_backward_has_no_reduce_scatter() -> None:
 def test_a_unit_not_resharded_is_saved_for_backward_instead_of_regathered(compiler: str) -> None:
     keep_root = {"reshard_after_forward": lambda fqn, module: fqn != ""}
     graphs = _graphs(compiler, fsdp_compile.MixedPrecision(), **keep_root)
-    assert _count(graphs["forward"], _c10d.all_gather_into_tensor.default) == N_UNITS
-    assert _count(graphs["backward"], _c10d.all_gather_into_tensor.default) == N_UNITS - 1
+    assert _count(graphs["forward"], ALL_GATHERS) == N_UNITS
+    assert _count(graphs["forward"], AG) == 1  # the root's, read in backward: never in a slot
+    assert _count(graphs["backward"], ALL_GATHERS) == N_UNITS - 1
     fwd = graphs["forward"]
     (output,) = fwd.graph.find_nodes(op="output")
     saved = {a for a in output.args[0] if isinstance(a, fx.Node)}

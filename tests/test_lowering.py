@@ -12,6 +12,8 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fsdp_compile
+from fsdp_compile._graph import CASTS
+from fsdp_compile._slots import slot_hazards
 from fsdp_compile.lowering.lower_to_symm_mem import SymmMemPlan, apply_symm_mem, plan_symm_mem
 from fsdp_compile.testing.graphs import compile_and_capture
 from fsdp_compile.testing.llama import LLAMA_TINY
@@ -20,11 +22,20 @@ N_UNITS = LLAMA_TINY.n_layers + 1
 _c10d = torch.ops._c10d_functional
 AG, WAIT = _c10d.all_gather_into_tensor.default, _c10d.wait_tensor.default
 CE = torch.ops.fsdp_compile.all_gather_copy_engine.default
+CE_INTO = torch.ops.fsdp_compile.all_gather_into_slot_copy_engine.default
+AG_OUT = _c10d.all_gather_into_tensor_out.default
 MP = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 @pytest.fixture(scope="module")
 def scheduled() -> dict[str, fx.GraphModule]:
+    """The graphs with the memory plan not applied: every all-gather into a buffer of its own."""
+    return compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager", "memory_plan": False})
+
+
+@pytest.fixture(scope="module")
+def slotted() -> dict[str, fx.GraphModule]:
+    """The graphs with the memory plan applied (the default): every all-gather into its slot."""
     return compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager"})
 
 
@@ -47,6 +58,26 @@ def test_each_all_gather_becomes_a_copy_engine_all_gather_in_its_place(scheduled
                 shard = torch.empty(node.args[0].meta["val"].shape, dtype=node.args[0].meta["val"].dtype)
                 out = CE(shard, *node.args[1:])
             assert (out.shape, out.dtype) == (node.meta["val"].shape, node.meta["val"].dtype)
+
+
+@pytest.mark.parametrize("stage", ["forward", "backward"])
+def test_each_all_gather_into_a_slot_becomes_a_copy_engine_one_casting_into_its_slot(slotted: dict, stage: str) -> None:
+    gm = copy.deepcopy(slotted[stage])
+    into = [n for n in gm.graph.nodes if n.target == AG_OUT]
+    assert len(into) == N_UNITS
+    casts = tuple(n.args[0].name for n in into if n.args[0].target in CASTS)
+    assert len(casts) == N_UNITS  # bf16 parameters: each fp32 shard is cast for its all-gather only
+    wait_of = {n.name: next(iter(n.users)) for n in into}
+    out_of = {n.name: n.kwargs["out"] for n in into}
+    apply_symm_mem(gm, SymmMemPlan(gathers=(), workspace_bytes=0, into_slots=tuple(wait_of), casts_taken=casts))
+    lowered = [n for n in gm.graph.nodes if n.target == CE_INTO]
+    assert [n.name for n in lowered] == list(wait_of)  # in place, nothing moved
+    for node in lowered:
+        assert node.args[0].op == "placeholder" and node.args[0].meta["val"].dtype == torch.float32  # cast in the op
+        assert node.kwargs["out"] is out_of[node.name] and not node.users
+        assert wait_of[node.name].args == (out_of[node.name],)  # the wait waits for the slot
+    assert not {n.name for n in gm.graph.nodes} & set(casts)
+    assert slot_hazards(gm.graph) == []
 
 
 def test_plan_refuses_all_gathers_off_cuda(scheduled: dict) -> None:

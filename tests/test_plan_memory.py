@@ -4,10 +4,7 @@ real compiled steps (graph structure on CPU, fake process group)."""
 from __future__ import annotations
 
 import json
-import logging
 import random
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import torch
@@ -18,6 +15,7 @@ from torch import nn
 
 import fsdp_compile
 from fsdp_compile.passes.plan_memory import (
+    SLOT_ALIGNMENT,
     Buffer,
     MemoryPlan,
     Slot,
@@ -26,6 +24,10 @@ from fsdp_compile.passes.plan_memory import (
     plan_memory,
     step_buffers,
 )
+from fsdp_compile._graph import ALL_GATHER, ALL_GATHER_OUT
+from fsdp_compile._slots import SLOT, slot_hazards
+from fsdp_compile.passes.plan_memory import slot_uses
+from fsdp_compile.testing.graphs import memory_plans
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 
@@ -43,6 +45,7 @@ def buffer_sets(draw: st.DrawFn) -> list[Buffer]:
                 nbytes=draw(st.sampled_from([0, 256, 512, 1024, 4096])) + draw(st.integers(0, 3)) * 16,
                 start=start,
                 end=start + draw(st.integers(0, 30)),
+                escapes=draw(st.integers(0, 5)) == 0,
             )
         )
     return buffers
@@ -59,6 +62,10 @@ def test_the_plan_is_safe_bounded_and_deterministic(buffers: list[Buffer], seed:
         assert by_name[name].klass == (slot.group, slot.dtype, slot.kind)
     for slot in plan.slots:  # max-pool sizing: a slot is as large as its largest occupant
         assert slot.nbytes == max(by_name[name].nbytes for name in slot.occupants)
+        assert slot.offset % SLOT_ALIGNMENT == 0
+    assert set(plan.unslotted) == {b.name for b in buffers if b.escapes}  # read after their graph: no slot
+    for group, nbytes in plan.slabs:  # the slab holds the group's gathered slots
+        assert nbytes >= max(s.offset + s.nbytes for s in plan.slots if s.group == group and s.kind == "gathered")
     assert plan.lower_bound_bytes <= plan.pool_bytes <= plan.per_collective_bytes
     assert plan.pool_bytes <= plan.maxpool_bytes
     shuffled = list(buffers)
@@ -83,9 +90,10 @@ def test_a_slot_is_never_shared_by_buffers_that_meet_even_at_one_position() -> N
     c = Buffer("c", "0", "torch.float32", "gathered", 60, 6, 9)
     plan = plan_memory([a, b, c])
     assert plan.slots == (
-        Slot("0", "torch.float32", "gathered", 100, ("a", "c")),
-        Slot("0", "torch.float32", "gathered", 100, ("b",)),
+        Slot("0", "torch.float32", "gathered", 100, 0, ("a", "c")),
+        Slot("0", "torch.float32", "gathered", 100, SLOT_ALIGNMENT, ("b",)),
     )
+    assert plan.slabs == (("0", 2 * SLOT_ALIGNMENT),)
     figures = (plan.pool_bytes, plan.per_collective_bytes, plan.maxpool_bytes, plan.lower_bound_bytes)
     assert figures == (200, 260, 200, 200)
 
@@ -93,12 +101,22 @@ def test_a_slot_is_never_shared_by_buffers_that_meet_even_at_one_position() -> N
 def test_the_verifier_names_each_hazard() -> None:
     a = Buffer("a", "0", "torch.float32", "gathered", 100, 0, 5)
     b = Buffer("b", "0", "torch.float32", "gathered", 200, 3, 9)
-    bad = MemoryPlan(
-        graphs=("forward",), buffers=(a, b), slots=(Slot("0", "torch.float32", "gathered", 100, ("a", "b")),),
-        assignment=(("a", 0), ("b", 0)), pool_bytes=100, per_collective_bytes=300, maxpool_bytes=200,
-        lower_bound_bytes=300,
+    c = Buffer("c", "0", "torch.float32", "gathered", 100, 0, 9, escapes=True)
+    slots = (
+        Slot("0", "torch.float32", "gathered", 100, 0, ("a", "b")),
+        Slot("0", "torch.float32", "gathered", 100, 64, ("c",)),
     )
-    assert hazards(bad) == ["b: 200 bytes in slot 0 of 100", "a [0, 5] and b [3, 9] meet in slot 0"]
+    bad = MemoryPlan(
+        graphs=("forward",), buffers=(a, b, c), slots=slots, assignment=(("a", 0), ("b", 0), ("c", 1)), unslotted=(),
+        slabs=(("0", 256),), pool_bytes=100, per_collective_bytes=400, maxpool_bytes=200, lower_bound_bytes=400,
+    )
+    assert hazards(bad) == [
+        "unslotted [] are not the escaping buffers ['c']",
+        "c: in a slot but not a slotted buffer",
+        "b: 200 bytes in slot 0 of 100",
+        "a [0, 5] and b [3, 9] meet in slot 0",
+        "slots 0 and 1 overlap in group 0's slab",
+    ]
     with pytest.raises(ValueError, match="unique"):
         plan_memory([a, a])
 
@@ -152,36 +170,17 @@ class Hybrid(nn.Module):
         return nn.functional.cross_entropy(self.head(x).flatten(0, 1), targets.flatten())
 
 
-@contextmanager
-def memory_plans() -> Iterator[list[dict]]:
-    """The ``fsdp_compile_memory_plan`` artifacts logged meanwhile, parsed."""
-    from torch._logging._internal import trace_log
-
-    plans: list[dict] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            artifact = getattr(record, "metadata", {}).get("artifact", {})
-            if artifact.get("name") == "fsdp_compile_memory_plan":
-                plans.append(json.loads(record.payload))  # type: ignore[attr-defined]
-
-    handler = Collect()
-    trace_log.addHandler(handler)
-    try:
-        yield plans
-    finally:
-        trace_log.removeHandler(handler)
-
-
 def _figures(plan: dict) -> str:
     names = ("lower_bound_bytes", "pool_bytes", "maxpool_bytes", "per_collective_bytes")
     return ", ".join(f"{name} {plan[name]}" for name in names)
 
 
-def _step(model: nn.Module, units: list[type[nn.Module]], compiler: str) -> tuple[list[dict], dict[str, fx.Graph]]:
+def _step(
+    model: nn.Module, units: list[type[nn.Module]], compiler: str, memory_plan: bool = True
+) -> tuple[list[dict], dict[str, fx.Graph]]:
     """One compiled training step, no compile cache (a cached graph runs no pass): its memory plans, its graphs."""
     fsdp_compile.shard(model, units=units)
-    compiled = torch.compile(model, backend=fsdp_compile.backend(compiler=compiler))
+    compiled = torch.compile(model, backend=fsdp_compile.backend(compiler=compiler, memory_plan=memory_plan))
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     no_cache = torch._inductor.config.patch(force_disable_caches=True)
     with memory_plans() as plans, fsdp_compile.debug.capture_graphs() as graphs, no_cache:
@@ -189,12 +188,16 @@ def _step(model: nn.Module, units: list[type[nn.Module]], compiler: str) -> tupl
     return plans, {g.stage: g.gm.graph for g in graphs}
 
 
+def _model(name: str) -> tuple[nn.Module, list[type[nn.Module]]]:
+    torch.manual_seed(0)
+    return (Llama(LLAMA_TINY), [Block]) if name == "llama" else (Hybrid(), [_Attention, _Mlp])
+
+
 @pytest.mark.parametrize("model", ["llama", "hybrid"])
 def test_the_logged_plan_of_a_compiled_step_is_the_planners_and_safe(fake_pg: None, model: str) -> None:
-    torch.manual_seed(0)
-    net, units = (Llama(LLAMA_TINY), [Block]) if model == "llama" else (Hybrid(), [_Attention, _Mlp])
+    net, units = _model(model)
     n_units = 1 + len(net.layers)  # the root is a unit too
-    plans, graphs = _step(net, units, "aot_eager")
+    plans, graphs = _step(net, units, "aot_eager", memory_plan=False)  # the graphs as planned
     forward, step = plans
     print(f"{model}: {_figures(step)}")
     assert forward["graphs"] == ["forward"] and step["graphs"] == ["forward", "backward"]
@@ -209,6 +212,29 @@ def test_the_logged_plan_of_a_compiled_step_is_the_planners_and_safe(fake_pg: No
         assert plan.pool_bytes < plan.maxpool_bytes
     else:  # uniform blocks, and a root that is smaller
         assert plan.pool_bytes <= plan.maxpool_bytes
+
+
+@pytest.mark.parametrize("model", ["llama", "hybrid"])
+def test_applied_every_all_gather_writes_into_its_slot(fake_pg: None, model: str) -> None:
+    """The plan applied (the default): the same plans are logged, each graph holds one slot node per slot it
+    uses, every all-gather writes into a view of its own slot, and no slot is written before the last read
+    of its previous occupant."""
+    unapplied, _ = _step(*_model(model), "aot_eager", memory_plan=False)
+    plans, graphs = _step(*_model(model), "aot_eager")
+    assert plans == unapplied
+    for stage, plan in zip(("forward", "backward"), plans):
+        graph = graphs[stage]
+        slots = {f"{stage}/{n.name}": n for n in graph.find_nodes(op="call_function", target=SLOT)}
+        fields = {k: v for k, v in plan.items() if k != "predicted_peak_bytes"}
+        uses = slot_uses(MemoryPlan(**{**fields, "slots": tuple(Slot(**s) for s in plan["slots"])}), stage)
+        assert len(slots) == len(uses) > 0
+        assert not graph.find_nodes(op="call_function", target=ALL_GATHER)
+        gathers = graph.find_nodes(op="call_function", target=ALL_GATHER_OUT)
+        assert sorted(g.name for g in gathers) == sorted(name for use in uses for name in use.gathers)
+        for use in uses:
+            (slot_node,) = {g.kwargs["out"].args[0] for g in gathers if g.name in use.gathers}
+            assert slot_node.args[2:4] == (use.offset, use.nbytes // 4)  # float32
+        assert slot_hazards(graph) == []
 
 
 def test_inductor_logs_the_plan_of_its_post_grad_graphs(fake_pg: None) -> None:

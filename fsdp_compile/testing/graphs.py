@@ -3,6 +3,10 @@ shapes are real, values are garbage)."""
 
 from __future__ import annotations
 
+import json
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -14,7 +18,7 @@ import fsdp_compile
 from fsdp_compile.debug import capture_graphs
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
 
-__all__ = ["compile_and_capture"]
+__all__ = ["compile_and_capture", "memory_plans"]
 
 
 def compile_and_capture(
@@ -44,3 +48,24 @@ def compile_and_capture(
     by_stage = {g.stage: g.gm for g in graphs}
     assert sorted(by_stage) == ["backward", "dynamo", "forward"], [g.stage for g in graphs]
     return by_stage
+
+
+@contextmanager
+def memory_plans() -> Iterator[list[dict]]:
+    """The ``fsdp_compile_memory_plan`` artifacts logged meanwhile, parsed."""
+    from torch._logging._internal import trace_log
+
+    plans: list[dict] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            artifact = getattr(record, "metadata", {}).get("artifact", {})
+            if artifact.get("name") == "fsdp_compile_memory_plan":
+                plans.append(json.loads(record.payload))  # type: ignore[attr-defined]
+
+    handler = Collect()
+    trace_log.addHandler(handler)
+    try:
+        yield plans
+    finally:
+        trace_log.removeHandler(handler)

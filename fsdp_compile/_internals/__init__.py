@@ -3,17 +3,16 @@
 The library runs on torch 2.11 (the GPU machines) and 2.13+ (CPU). Library modules reach torch's private
 modules (``torch._dynamo``, ``torch._functorch``, ``torch._inductor``, ``torch._logging``, ``torch._C``,
 ``torch.distributed._symmetric_memory``, the ``torch.ops._c10d_functional`` namespace) only through this
-module; ``tests/test_layout.py`` enforces it. Features are detected, never version numbers compared: what
-the library cannot work without is looked up when this module is imported, and a missing piece raises
-:class:`MissingTorchFeature`, naming the torch version and what it lacks. Optional features (symmetric
-memory) are detected once, when first used.
+package (this module and ``symm_mem``); ``tests/test_structure.py`` enforces it. Features are detected,
+never version numbers compared: what the library cannot work without is looked up when this module is
+imported, and a missing piece raises :class:`MissingTorchFeature`, naming the torch version and what it
+lacks. Optional features (symmetric memory) are detected once, when first used.
 
 Shims, each where it is used:
 * Inductor takes a single ``post_grad_custom_post_pass`` on 2.11 (a list on 2.13+): :class:`PassPipeline`.
 * ``compile_fx`` tells its ``inner_compile`` which graph it compiles only through the ``is_backward``
   keyword, for the backward graph alone (the forward call omits it): :func:`is_backward_compile`.
-* ``enable_symm_mem_for_group`` is deprecated (FutureWarning) on 2.11 and 2.13, but Inductor still gates
-  its symmetric-memory features on ``is_symm_mem_enabled_for_group``: :func:`symm_mem_workspace`.
+* Symmetric memory's shims: ``fsdp_compile._internals.symm_mem``.
 * Gloo process groups race in torch itself when two worker threads finish at once (heap corruption):
   :func:`gloo_one_worker_thread`, for the multi-rank harness on CPU.
 * ``destroy_process_group()`` hangs while a CUDA graph that captured NCCL kernels lives, and has no hook:
@@ -23,11 +22,8 @@ Shims, each where it is used:
 from __future__ import annotations
 
 import datetime
-import functools
 import importlib
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from types import ModuleType
 from typing import Any, TypeVar
 
 import torch
@@ -38,9 +34,9 @@ __all__ = [
     "aot_autograd", "c10d_functional", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_store", "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
-    "list_mode_options", "make_boxed_func", "placeholder_source", "min_cut_rematerialization_partition",
-    "register_work", "release_cuda_graphs_before_destroy", "run_observed", "set_optimizer_state_dict",
-    "sharded_tensor", "symm_mem_backend_stream", "symm_mem_workspace", "symmetric_memory", "trace_structured",
+    "list_mode_options", "lower_with_persistent_output", "make_boxed_func", "placeholder_source",
+    "min_cut_rematerialization_partition", "release_cuda_graphs_before_destroy", "run_observed",
+    "set_optimizer_state_dict", "sharded_tensor", "trace_structured",
 ]
 
 
@@ -84,6 +80,8 @@ CustomGraphPass: type = _need("torch._inductor.custom_graph_pass", "CustomGraphP
 _get_hash_for_files: Callable[..., bytes] = _need("torch._inductor.custom_graph_pass", "get_hash_for_files")
 trace_structured: Callable[..., None] = _need("torch._logging", "trace_structured")
 _OpOverload: type = _need("torch._ops", "OpOverload")
+outside_fake_mode: Callable[[], Any] = _need("torch._subclasses.fake_tensor", "unset_fake_temporarily")
+"""Context manager: real tensors, even inside a compile (whose passes run under a FakeTensorMode)."""
 _GraphTransformObserver: type = _need("torch.fx.passes.graph_transform_observer", "GraphTransformObserver")
 
 ShardMetadata: type = _need("torch.distributed._shard.metadata", "ShardMetadata")
@@ -192,46 +190,18 @@ def is_backward_compile(kwargs: Mapping[str, Any]) -> bool:
     return bool(kwargs.get("is_backward", False))
 
 
-@functools.cache
-def symmetric_memory() -> ModuleType:
-    """torch's symmetric-memory module, checked (once) for what the copy-engine all-gather uses."""
-    try:
-        symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
-    except ImportError as e:
-        raise _missing("torch.distributed._symmetric_memory (a CUDA build of torch)", "use all_gather='nccl'") from e
-    needed = ("get_symm_mem_workspace", "_get_backend_stream", "Work", "is_symm_mem_enabled_for_group")
-    missing = [n for n in needed if not hasattr(symm_mem, n)]
-    if not hasattr(torch._C._distributed_c10d, "_register_work"):
-        missing.append("torch._C._distributed_c10d._register_work")
-    if missing:
-        raise _missing(f"symmetric-memory functions ({', '.join(missing)})", "use all_gather='nccl'")
-    return symm_mem
+def lower_with_persistent_output(op: Any) -> None:
+    """Have Inductor run ``op`` as a fallback kernel whose output memory it never reuses for its own buffers
+    nor writes in place: the op hands out persistent memory (a memory-plan slot) that outlives the graph."""
+    lowering, graph = importlib.import_module("torch._inductor.lowering"), _need("torch._inductor.virtualized", "V")
+    fallback = lowering.fallback_handler(op)
 
+    def lower(*args: Any, **kwargs: Any) -> Any:
+        result = fallback(*args, **kwargs)
+        graph.graph.never_reuse_buffers.add(result.get_name())
+        return result
 
-def symm_mem_workspace(group_name: str, nbytes: int) -> Any:
-    """The group's symmetric workspace of at least ``nbytes`` (a ``_SymmetricMemory``; a collective).
-
-    ``enable_symm_mem_for_group`` is deprecated (the store is found in C++), but Inductor's symmetric-memory
-    features still check ``is_symm_mem_enabled_for_group``: enable the group where that function exists,
-    without its warning."""
-    symm_mem = symmetric_memory()
-    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
-    if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group_name):
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)
-            enable(group_name)
-    return symm_mem.get_symm_mem_workspace(group_name, nbytes)
-
-
-def symm_mem_backend_stream() -> torch.cuda.Stream:
-    """The side stream symmetric memory's own operations run on."""
-    return symmetric_memory()._get_backend_stream()
-
-
-def register_work(output: torch.Tensor) -> None:
-    """Register a symmetric-memory work object (its CUDA event recorded on the current stream) for
-    ``output``: the graph's ``wait_tensor(output)`` then makes the compute stream wait for it."""
-    torch._C._distributed_c10d._register_work(output, symmetric_memory().Work())
+    lowering.register_lowering(op, type_promotion_kind=None)(lower)
 
 
 class _BeforeDestroy:

@@ -1,0 +1,176 @@
+"""The memory plan's slots in a graph and at run time: one allocation (a slab) per process group and device
+holds the group's gathered slots, the op ``fsdp_compile::slot`` hands a compiled graph one slot of it, and
+each all-gather writes into its slot (``all_gather_into_tensor_out``) instead of a buffer of its own
+([Note: memory plan] in docs/architecture.md).
+
+A slab is plain memory, or symmetric memory (``torch.distributed._symmetric_memory``, rendezvoused once) for
+the copy-engine all-gather, which reads the peers' slots. Every graph lays its slots out from the slab's
+start: graphs run one after another and no slotted buffer outlives its graph, so they share the memory. Each
+slot is handed out as a tensor of its own storage (same memory, through DLPack): c10d keys in-flight
+collectives by storage, so the wait for one slot's all-gather must not wait for another slot's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from fsdp_compile import _internals
+from fsdp_compile._graph import ALL_GATHER, ALL_GATHER_OUT, lint_and_recompile
+from fsdp_compile._internals import symm_mem
+from fsdp_compile._liveness import last_read
+
+__all__ = [
+    "SLOT", "Slab", "SlotUse", "reserve_slab", "slab_bytes", "slab_of", "slot", "slot_hazards", "write_into_slots"
+]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Slab:
+    memory: torch.Tensor
+    """1-D ``uint8``."""
+    handle: Any | None
+    """The symmetric-memory handle (peers' buffers, barriers), or None for plain memory."""
+    slots: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    """(byte offset, numel, dtype) -> the slot's tensor."""
+
+
+_slabs: dict[tuple[str, str], Slab] = {}
+_retired: list[Slab] = []
+"""Slabs a larger one replaced: CUDA graphs captured before still read and write their memory."""
+
+
+def reserve_slab(group_name: str, device: torch.device, nbytes: int, symmetric: bool, keep_old: bool = True) -> Slab:
+    """The group's slab on ``device``, at least ``nbytes`` and symmetric if asked (a collective then: every rank
+    reserves in the same order, as every rank compiles and runs the same graphs). The backend reserves when it
+    compiles; a graph loaded from a cache reserves at its first run. A slab that grows keeps its old memory
+    alive if ``keep_old`` (CUDA graphs captured before hold its addresses)."""
+    key = (group_name, str(device))
+    slab = _slabs.get(key)
+    if slab is not None and slab.memory.numel() >= nbytes and (slab.handle is not None or not symmetric):
+        return slab
+    if slab is not None:
+        log.info("fsdp_compile: the slab of group %s on %s grows from %d to %d bytes", group_name, device,
+                 slab.memory.numel(), nbytes)
+        _internals.counters["fsdp_compile"]["slab_regrowths"] += 1
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # nothing in flight still uses the old slab
+        if keep_old:
+            _retired.append(slab)
+        nbytes = max(nbytes, slab.memory.numel())
+    with _outside_graph_pools(device), _internals.outside_fake_mode():
+        if symmetric:
+            memory, handle = symm_mem.slab(group_name, device, nbytes)
+        else:
+            memory, handle = torch.empty(nbytes, dtype=torch.uint8, device=device), None
+    _slabs[key] = slab = Slab(memory, handle)
+    return slab
+
+
+@contextlib.contextmanager
+def _outside_graph_pools(device: torch.device) -> Iterator[None]:
+    """Allocate on a stream of our own: a graph's first run under CUDA graphs allocates into the graphs'
+    memory pool (on the current stream), which must hold only the graphs' own tensors."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.stream(torch.cuda.Stream(device)):
+        yield
+
+
+def slab_of(group_name: str, device: torch.device) -> Slab:
+    return _slabs[(group_name, str(device))]
+
+
+def slab_bytes() -> int:
+    """Bytes this process holds in memory-plan slabs (those replaced by larger ones included)."""
+    return sum(slab.memory.numel() for slab in (*_slabs.values(), *_retired))
+
+
+@torch.library.custom_op("fsdp_compile::slot", mutates_args=())
+def slot(
+    group_name: str, device: torch.device, offset: int, numel: int, dtype: torch.dtype, slab_bytes: int, symmetric: bool
+) -> torch.Tensor:
+    """The slot of ``numel`` elements of ``dtype`` at byte ``offset`` of the group's slab (of ``slab_bytes`` at
+    least): the same memory at every call. Inductor never reuses it for its own buffers
+    (``lower_with_persistent_output``); the collectives that write it are ordered after the previous
+    occupant's readers by the graph ([Note: memory plan])."""
+    slab = reserve_slab(group_name, device, slab_bytes, symmetric)
+    key = (offset, numel, dtype)
+    if key not in slab.slots:
+        slab.slots[key] = torch.from_dlpack(slab.memory[offset : offset + numel * dtype.itemsize].view(dtype))
+    return slab.slots[key]
+
+
+@slot.register_fake
+def _(
+    group_name: str, device: torch.device, offset: int, numel: int, dtype: torch.dtype, slab_bytes: int, symmetric: bool
+) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+SLOT = torch.ops.fsdp_compile.slot.default
+_internals.lower_with_persistent_output(SLOT)
+
+
+@dataclass(frozen=True)
+class SlotUse:
+    """One slot as one graph uses it."""
+
+    group: str
+    offset: int
+    """Bytes, in the group's slab."""
+    nbytes: int
+    slab_bytes: int
+    gathers: tuple[str, ...]
+    """The graph's all-gathers whose outputs the slot holds, by node name."""
+
+
+def write_into_slots(gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: bool, keep_old: bool) -> None:
+    """Each slot becomes one ``slot`` node at the graph's start; each of its all-gathers writes into a view of
+    it (``all_gather_into_tensor_out``, which Inductor lowers as a mutation of the slot: Inductor then runs it
+    after every earlier read of the slot and never moves such a read past it). Reserves the slabs (a
+    collective for symmetric ones: ``symmetric`` puts CUDA slabs in symmetric memory)."""
+    graph = gm.graph
+    nodes = {n.name: n for n in graph.nodes}
+    first = next(n for n in graph.nodes if n.op != "placeholder")
+    for use in uses:
+        gathers = [nodes[name] for name in use.gathers]
+        assert all(g.target == ALL_GATHER and g.meta["val"].dim() == 1 for g in gathers), use
+        value = gathers[0].meta["val"]
+        symmetric_here = symmetric and value.device.type == "cuda"
+        args = (use.group, value.device, use.offset, use.nbytes // value.element_size(), value.dtype,
+                use.slab_bytes, symmetric_here)
+        with graph.inserting_before(first):
+            slot_node = graph.call_function(SLOT, args)
+        slot_node.meta["val"] = value.new_empty(args[3])
+        for gather in gathers:
+            with graph.inserting_before(gather):
+                out = graph.call_function(torch.ops.aten.slice.Tensor, (slot_node, 0, 0, gather.meta["val"].numel()))
+            out.meta["val"] = slot_node.meta["val"][: gather.meta["val"].numel()]
+            gather.target, gather.kwargs = ALL_GATHER_OUT, {"out": out}
+        reserve_slab(use.group, value.device, use.slab_bytes, symmetric_here, keep_old)
+    lint_and_recompile(gm)
+
+
+def slot_hazards(graph: fx.Graph) -> list[str]:
+    """Where a graph lets a collective write a slot while its previous occupant can still be read (empty if
+    nowhere): in graph order, every read of an occupant (through any alias) comes before the next write."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    end = len(index) - 1
+    found = []
+    for slot_node in graph.find_nodes(op="call_function", target=SLOT):
+        writes = (w for view in slot_node.users for w in view.users if w.kwargs.get("out") is view)
+        writers = sorted(writes, key=index.__getitem__)
+        for before, after in zip(writers, writers[1:]):  # read through the writer's result or through its ``out``
+            if max(last_read(before, index, end), last_read(before.kwargs["out"], index, end)) >= index[after]:
+                found.append(f"{after.name} writes {slot_node.name} before the last read of {before.name}")
+    return found
