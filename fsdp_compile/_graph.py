@@ -20,7 +20,6 @@ from fsdp_compile import _internals, debug
 
 __all__ = [
     "ALL_GATHER",
-    "ALL_GATHER_OUT",
     "CASTS",
     "GRAD_REDUCTIONS",
     "GraphPass",
@@ -38,8 +37,6 @@ log = logging.getLogger(__name__)
 
 _c10d = _internals.c10d_functional
 ALL_GATHER = _c10d.all_gather_into_tensor.default
-ALL_GATHER_OUT = _c10d.all_gather_into_tensor_out.default
-"""An all-gather into a given tensor (``out=``): how an all-gather writes into its memory-plan slot."""
 WAIT = _c10d.wait_tensor.default
 GRAD_REDUCTIONS = (_c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default)
 """A unit's gradient reduction: a reduce-scatter, or an all-to-all (gradients exchanged in param_dtype)."""

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch.fx as fx
 
-from fsdp_compile._graph import ALL_GATHER, ALL_GATHER_OUT, GRAD_REDUCTIONS, WAIT, nbytes, wait_of
+from fsdp_compile._graph import ALL_GATHER, GRAD_REDUCTIONS, WAIT, nbytes, wait_of
 from fsdp_compile._internals import is_view_op
 
 __all__ = ["Buffer", "ForwardBuffers", "Kind", "forward_buffers", "last_read", "step_buffers"]
@@ -94,7 +94,7 @@ def _graph_buffers(graph: fx.Graph, stage: str, offset: int) -> tuple[tuple[Buff
     buffers: list[Buffer] = []
     saved: list[tuple[str, tuple[str, ...]]] = []
     for node in graph.nodes:
-        if node.target in (ALL_GATHER, ALL_GATHER_OUT):  # the latter: written into its slot
+        if node.target == ALL_GATHER:
             name, dtype = f"{stage}/{node.name}", str(node.meta["val"].dtype)
             aliases = _aliases(node)
             escaping = tuple(sorted(a.name for a in aliases if a in outputs))

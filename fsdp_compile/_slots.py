@@ -1,6 +1,6 @@
 """The memory plan's slots in a graph and at run time: one allocation (a slab) per process group and device
 holds the group's gathered slots, the op ``fsdp_compile::slot`` hands a compiled graph one slot of it, and
-each all-gather writes into its slot (``all_gather_into_tensor_out``) instead of a buffer of its own
+each all-gather writes into its slot (``fsdp_compile::all_gather_into_slot``) instead of a buffer of its own
 ([Note: memory plan] in docs/architecture.md).
 
 A slab is plain memory, or symmetric memory (``torch.distributed._symmetric_memory``, rendezvoused once) for
@@ -22,12 +22,13 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile import _internals
-from fsdp_compile._graph import ALL_GATHER, ALL_GATHER_OUT, lint_and_recompile
+from fsdp_compile._graph import ALL_GATHER, CASTS, lint_and_recompile
 from fsdp_compile._internals import symm_mem
 from fsdp_compile._liveness import last_read
 
 __all__ = [
-    "SLOT", "Slab", "SlotUse", "reserve_slab", "slab_bytes", "slab_of", "slot", "slot_hazards", "write_into_slots"
+    "INTO_SLOT", "SLOT", "Slab", "SlotUse", "all_gather_into_slot", "reserve_slab", "slab_bytes", "slab_of", "slot",
+    "slot_hazards", "write_into_slots",
 ]
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,26 @@ SLOT = torch.ops.fsdp_compile.slot.default
 _internals.lower_with_persistent_output(SLOT)
 
 
+@torch.library.custom_op("fsdp_compile::all_gather_into_slot", mutates_args=("out",))
+def all_gather_into_slot(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
+    """All-gather ``shard`` (cast to ``out``'s dtype) into ``out``, a slot: the cast writes this rank's part in
+    place, then an in-place all-gather (its input is that part: it lives in the slot, so no buffer the
+    collective reads can be freed or reused before it is done). Wait with ``wait_tensor(out)``."""
+    group = _internals.group_named(group_name)
+    part = out.view(group_size, -1)[group.rank()]
+    part.copy_(shard)
+    work = torch.distributed.all_gather_into_tensor(out, part, group=group, async_op=True)
+    _internals.register_work(out, work)
+
+
+@all_gather_into_slot.register_fake
+def _(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
+    return None
+
+
+INTO_SLOT = torch.ops.fsdp_compile.all_gather_into_slot.default
+
+
 @dataclass(frozen=True)
 class SlotUse:
     """One slot as one graph uses it."""
@@ -135,16 +156,18 @@ class SlotUse:
 
 
 def write_into_slots(gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: bool, keep_old: bool) -> None:
-    """Each slot becomes one ``slot`` node at the graph's start; each of its all-gathers writes into a view of
-    it (``all_gather_into_tensor_out``, which Inductor lowers as a mutation of the slot: Inductor then runs it
-    after every earlier read of the slot and never moves such a read past it). Reserves the slabs (a
-    collective for symmetric ones: ``symmetric`` puts CUDA slabs in symmetric memory)."""
+    """Each slot becomes one ``slot`` node at the graph's start; each of its all-gathers becomes
+    ``all_gather_into_slot`` into a view of it, which Inductor lowers as a mutation of the slot: it runs after
+    every earlier read of the slot, and no such read moves past it. Its ``wait_tensor`` waits for the view.
+    Where the shard was cast to ``param_dtype`` just for the all-gather, the op takes the uncast shard (the
+    cast writes into the slot). Reserves the slabs (a collective for symmetric ones: ``symmetric`` puts CUDA
+    slabs in symmetric memory)."""
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
     first = next(n for n in graph.nodes if n.op != "placeholder")
     for use in uses:
         gathers = [nodes[name] for name in use.gathers]
-        assert all(g.target == ALL_GATHER and g.meta["val"].dim() == 1 for g in gathers), use
+        assert all(g.target == ALL_GATHER and g.meta["val"].dim() == 1 and len(g.users) == 1 for g in gathers), use
         value = gathers[0].meta["val"]
         symmetric_here = symmetric and value.device.type == "cuda"
         args = (use.group, value.device, use.offset, use.nbytes // value.element_size(), value.dtype,
@@ -156,7 +179,12 @@ def write_into_slots(gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: b
             with graph.inserting_before(gather):
                 out = graph.call_function(torch.ops.aten.slice.Tensor, (slot_node, 0, 0, gather.meta["val"].numel()))
             out.meta["val"] = slot_node.meta["val"][: gather.meta["val"].numel()]
-            gather.target, gather.kwargs = ALL_GATHER_OUT, {"out": out}
+            shard = gather.args[0]
+            gather.target, gather.kwargs, gather.meta["val"] = INTO_SLOT, {"out": out}, None
+            if shard.target in CASTS and len(shard.users) == 1:
+                gather.args = (shard.args[0], *gather.args[1:])
+                graph.erase_node(shard)
+            gather.replace_all_uses_with(out)  # its wait_tensor
         reserve_slab(use.group, value.device, use.slab_bytes, symmetric_here, keep_old)
     lint_and_recompile(gm)
 
@@ -170,7 +198,7 @@ def slot_hazards(graph: fx.Graph) -> list[str]:
     for slot_node in graph.find_nodes(op="call_function", target=SLOT):
         writes = (w for view in slot_node.users for w in view.users if w.kwargs.get("out") is view)
         writers = sorted(writes, key=index.__getitem__)
-        for before, after in zip(writers, writers[1:]):  # read through the writer's result or through its ``out``
-            if max(last_read(before, index, end), last_read(before.kwargs["out"], index, end)) >= index[after]:
+        for before, after in zip(writers, writers[1:]):
+            if last_read(before.kwargs["out"], index, end) >= index[after]:
                 found.append(f"{after.name} writes {slot_node.name} before the last read of {before.name}")
     return found

@@ -1,14 +1,12 @@
 """Lower the units' all-gathers to copy-engine all-gathers through symmetric memory.
 
 Precondition: a post-grad forward or backward graph (after ``schedule_overlap`` and ``plan_memory``) whose
-all-gathers are ``_c10d_functional`` all-gathers -> ``wait_tensor`` on CUDA tensors: into a slot of the
-group's symmetric slab (``all_gather_into_tensor_out``, the memory plan applied) or into a buffer of their
-own (``all_gather_into_tensor``: the plan not applied, or an output kept for backward).
-Postcondition: an all-gather into a slot is ``fsdp_compile.all_gather_into_slot_copy_engine`` (it mutates its
-``out``; its ``wait_tensor`` waits for ``out``); where the shard was cast to ``param_dtype`` just for the
-all-gather, the op takes the uncast shard and casts it into its place in the slot. Any other all-gather is
-``fsdp_compile.all_gather_copy_engine``, with the graph's largest shard in bytes (its staging workspace) as one
-more argument. Nothing moves.
+all-gathers run on CUDA tensors: into a slot of the group's symmetric slab (``fsdp_compile.all_gather_into_slot``,
+the memory plan applied) or into a buffer of their own (``_c10d_functional.all_gather_into_tensor`` ->
+``wait_tensor``: the plan not applied, or an output kept for backward).
+Postcondition: an all-gather into a slot is ``fsdp_compile.all_gather_into_slot_copy_engine``, with the same
+arguments. Any other all-gather is ``fsdp_compile.all_gather_copy_engine``, with the graph's largest shard in
+bytes (its staging workspace) as one more argument. Nothing moves.
 
 Why: NCCL's all-gather kernels hold SMs (24 on H100) while they run, and the matmuls that the overlap
 schedule puts beside them run slower for it. A copy-engine all-gather moves the bytes with the GPU's copy
@@ -46,14 +44,12 @@ from fsdp_compile import _internals
 from fsdp_compile._internals import symm_mem
 from fsdp_compile._graph import (
     ALL_GATHER,
-    ALL_GATHER_OUT,
-    CASTS,
     GraphPass,
     lint_and_recompile,
     named,
     plan_json,
 )
-from fsdp_compile._slots import slab_of
+from fsdp_compile._slots import INTO_SLOT, slab_of
 from fsdp_compile.debug import degraded
 
 __all__ = [
@@ -133,9 +129,8 @@ def _(shard: torch.Tensor, group_size: int, group_name: str, workspace_bytes: in
 
 @torch.library.custom_op("fsdp_compile::all_gather_into_slot_copy_engine", mutates_args=("out",), device_types="cuda")
 def all_gather_into_slot_copy_engine(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
-    """``all_gather_into_tensor_out(shard.to(out.dtype), group_size, group_name, out=out)`` by copy engines, where
-    ``out`` is (a view of) a slot of the group's symmetric slab; wait with ``wait_tensor(out)`` (steps: the
-    module docstring)."""
+    """``all_gather_into_slot`` by copy engines: ``out`` is (a view of) a slot of the group's symmetric slab;
+    wait with ``wait_tensor(out)`` (steps: the module docstring)."""
     slab = slab_of(group_name, out.device)
     rank, part = slab.handle.rank, shard.numel()
     parts = out.view(group_size, part)
@@ -165,8 +160,6 @@ class SymmMemPlan:
     """Their largest shard: the symmetric workspace each rank needs."""
     into_slots: tuple[str, ...] = ()
     """The all-gathers into slots, lowered to copy engines with no staging, in graph order."""
-    casts_taken: tuple[str, ...] = ()
-    """The casts to ``param_dtype`` whose work these all-gathers take over (each casts into its slot)."""
 
     def to_json(self) -> str:
         return plan_json(self)
@@ -178,7 +171,7 @@ class SymmMemPlan:
 
 def plan_symm_mem(graph: fx.Graph) -> SymmMemPlan:
     gathers = [n for n in graph.nodes if n.target == ALL_GATHER]
-    into_slots = [n for n in graph.nodes if n.target == ALL_GATHER_OUT]
+    into_slots = [n for n in graph.nodes if n.target == INTO_SLOT]
     shards = [ag.args[0].meta["val"] for ag in gathers + into_slots]
     own = shards[: len(gathers)]
     elsewhere = sorted({str(s.device) for s in shards if s.device.type != "cuda"})
@@ -187,12 +180,10 @@ def plan_symm_mem(graph: fx.Graph) -> SymmMemPlan:
             f"all_gather='copy_engine' needs all-gathers of CUDA tensors (peer copies between GPUs), but this "
             f"graph all-gathers on {', '.join(elsewhere)}: use all_gather='nccl' there"
         )
-    casts = [ag.args[0] for ag in into_slots]
     return SymmMemPlan(
         gathers=tuple(ag.name for ag in gathers),
         workspace_bytes=workspace_nbytes((s.numel(), s.dtype) for s in own),
         into_slots=tuple(ag.name for ag in into_slots),
-        casts_taken=tuple(c.name for c in casts if c.target in CASTS and len(c.users) == 1),
     )
 
 
@@ -203,15 +194,8 @@ def apply_symm_mem(gm: fx.GraphModule, plan: SymmMemPlan) -> None:
     for node in gathers:
         node.target = torch.ops.fsdp_compile.all_gather_copy_engine.default
         node.args = (*node.args, plan.workspace_bytes)
-    casts = set(plan.casts_taken)
     for node in named(gm.graph, plan.into_slots):
-        shard, out = node.args[0], node.kwargs["out"]
-        if shard.name in casts:
-            node.args = (shard.args[0], *node.args[1:])
-            gm.graph.erase_node(shard)
         node.target = torch.ops.fsdp_compile.all_gather_into_slot_copy_engine.default
-        node.meta["val"] = None
-        node.replace_all_uses_with(out)  # its wait_tensor waits for the slot
     lint_and_recompile(gm)
 
 

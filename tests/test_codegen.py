@@ -22,7 +22,7 @@ from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 N_UNITS = LLAMA_TINY.n_layers + 1
 AG = "torch.ops._c10d_functional.all_gather_into_tensor.default("
-AG_OUT = "torch.ops._c10d_functional.all_gather_into_tensor_out.default("
+AG_OUT = "torch.ops.fsdp_compile.all_gather_into_slot.default("
 SLOT = "torch.ops.fsdp_compile.slot.default("
 A2A = "torch.ops._c10d_functional.all_to_all_single.default("
 

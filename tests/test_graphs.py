@@ -17,8 +17,8 @@ from fsdp_compile.testing.llama import LLAMA_TINY, LlamaConfig
 N_UNITS = LLAMA_TINY.n_layers + 1  # one per block + the root (embedding tied with output, final norm)
 _c10d = torch.ops._c10d_functional
 RS, A2A = _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default
-AG, AG_OUT = _c10d.all_gather_into_tensor.default, _c10d.all_gather_into_tensor_out.default
-ALL_GATHERS = (AG, AG_OUT)
+AG, INTO_SLOT = _c10d.all_gather_into_tensor.default, torch.ops.fsdp_compile.all_gather_into_slot.default
+ALL_GATHERS = (AG, INTO_SLOT)
 """An all-gather into a buffer of its own, or (the memory plan applied) into its slot."""
 
 
@@ -116,7 +116,8 @@ def test_no_gathered_parameter_is_saved_for_backward(graphs: dict[str, fx.GraphM
 
 
 def _dtypes(gm: fx.GraphModule, targets: tuple[object, ...]) -> set[torch.dtype]:
-    return {n.meta["val"].dtype for n in gm.graph.nodes if n.target in targets}
+    """The dtypes the collectives produce (an all-gather into a slot: its slot's)."""
+    return {(n.kwargs.get("out") or n).meta["val"].dtype for n in gm.graph.nodes if n.target in targets}
 
 
 def test_collective_dtypes_follow_mixed_precision(case: tuple[dict[str, fx.GraphModule], Expected]) -> None:

@@ -12,7 +12,6 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fsdp_compile
-from fsdp_compile._graph import CASTS
 from fsdp_compile._slots import slot_hazards
 from fsdp_compile.lowering.lower_to_symm_mem import SymmMemPlan, apply_symm_mem, plan_symm_mem
 from fsdp_compile.testing.graphs import compile_and_capture
@@ -23,7 +22,7 @@ _c10d = torch.ops._c10d_functional
 AG, WAIT = _c10d.all_gather_into_tensor.default, _c10d.wait_tensor.default
 CE = torch.ops.fsdp_compile.all_gather_copy_engine.default
 CE_INTO = torch.ops.fsdp_compile.all_gather_into_slot_copy_engine.default
-AG_OUT = _c10d.all_gather_into_tensor_out.default
+INTO_SLOT = torch.ops.fsdp_compile.all_gather_into_slot.default
 MP = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
@@ -61,22 +60,17 @@ def test_each_all_gather_becomes_a_copy_engine_all_gather_in_its_place(scheduled
 
 
 @pytest.mark.parametrize("stage", ["forward", "backward"])
-def test_each_all_gather_into_a_slot_becomes_a_copy_engine_one_casting_into_its_slot(slotted: dict, stage: str) -> None:
+def test_each_all_gather_into_a_slot_becomes_a_copy_engine_one_in_its_place(slotted: dict, stage: str) -> None:
     gm = copy.deepcopy(slotted[stage])
-    into = [n for n in gm.graph.nodes if n.target == AG_OUT]
+    into = [n.name for n in gm.graph.nodes if n.target == INTO_SLOT]
     assert len(into) == N_UNITS
-    casts = tuple(n.args[0].name for n in into if n.args[0].target in CASTS)
-    assert len(casts) == N_UNITS  # bf16 parameters: each fp32 shard is cast for its all-gather only
-    wait_of = {n.name: next(iter(n.users)) for n in into}
-    out_of = {n.name: n.kwargs["out"] for n in into}
-    apply_symm_mem(gm, SymmMemPlan(gathers=(), workspace_bytes=0, into_slots=tuple(wait_of), casts_taken=casts))
-    lowered = [n for n in gm.graph.nodes if n.target == CE_INTO]
-    assert [n.name for n in lowered] == list(wait_of)  # in place, nothing moved
-    for node in lowered:
-        assert node.args[0].op == "placeholder" and node.args[0].meta["val"].dtype == torch.float32  # cast in the op
-        assert node.kwargs["out"] is out_of[node.name] and not node.users
-        assert wait_of[node.name].args == (out_of[node.name],)  # the wait waits for the slot
-    assert not {n.name for n in gm.graph.nodes} & set(casts)
+    before = [(n.name, n.args, n.kwargs) for n in gm.graph.nodes]
+    apply_symm_mem(gm, SymmMemPlan(gathers=(), workspace_bytes=0, into_slots=tuple(into)))
+    assert [(n.name, n.args, n.kwargs) for n in gm.graph.nodes] == before  # nothing moved
+    assert [n.name for n in gm.graph.nodes if n.target == CE_INTO] == into
+    for node in gm.graph.nodes:
+        if node.target == CE_INTO:  # the shard, uncast (bf16 parameters: the op casts into its slot)
+            assert node.args[0].op == "placeholder" and node.args[0].meta["val"].dtype == torch.float32
     assert slot_hazards(gm.graph) == []
 
 

@@ -24,8 +24,8 @@ from fsdp_compile.passes.plan_memory import (
     plan_memory,
     step_buffers,
 )
-from fsdp_compile._graph import ALL_GATHER, ALL_GATHER_OUT
-from fsdp_compile._slots import SLOT, slot_hazards
+from fsdp_compile._graph import ALL_GATHER
+from fsdp_compile._slots import INTO_SLOT, SLOT, slot_hazards
 from fsdp_compile.passes.plan_memory import slot_uses
 from fsdp_compile.testing.graphs import memory_plans
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
@@ -229,7 +229,7 @@ def test_applied_every_all_gather_writes_into_its_slot(fake_pg: None, model: str
         uses = slot_uses(MemoryPlan(**{**fields, "slots": tuple(Slot(**s) for s in plan["slots"])}), stage)
         assert len(slots) == len(uses) > 0
         assert not graph.find_nodes(op="call_function", target=ALL_GATHER)
-        gathers = graph.find_nodes(op="call_function", target=ALL_GATHER_OUT)
+        gathers = graph.find_nodes(op="call_function", target=INTO_SLOT)
         assert sorted(g.name for g in gathers) == sorted(name for use in uses for name in use.gathers)
         for use in uses:
             (slot_node,) = {g.kwargs["out"].args[0] for g in gathers if g.name in use.gathers}

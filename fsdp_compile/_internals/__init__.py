@@ -32,10 +32,10 @@ import torch.fx as fx
 __all__ = [
     "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
     "aot_autograd", "c10d_functional", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
-    "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_store", "group_timeout",
+    "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_store", "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
-    "list_mode_options", "lower_with_persistent_output", "make_boxed_func", "placeholder_source",
-    "min_cut_rematerialization_partition", "release_cuda_graphs_before_destroy", "run_observed",
+    "list_mode_options", "lower_with_persistent_output", "make_boxed_func", "outside_fake_mode", "placeholder_source",
+    "min_cut_rematerialization_partition", "register_work", "release_cuda_graphs_before_destroy", "run_observed",
     "set_optimizer_state_dict", "sharded_tensor", "trace_structured",
 ]
 
@@ -110,6 +110,16 @@ def current_compile_id() -> str:
     """Dynamo's id of the compilation in progress ("frame/recompile", e.g. "0/1"), or "?" outside one."""
     compile_id = _need("torch._guards", "CompileContext").current_compile_id()
     return "?" if compile_id is None else str(compile_id)
+
+
+def group_named(group_name: str) -> Any:
+    """The process group a functional collective's ``group_name`` names."""
+    return _need("torch.distributed.distributed_c10d", "_resolve_process_group")(group_name)
+
+
+def register_work(tensor: torch.Tensor, work: Any) -> None:
+    """Have ``wait_tensor(tensor)`` (the graph's wait) wait for ``work``, as for a functional collective's."""
+    torch._C._distributed_c10d._register_work(tensor, work)
 
 
 def group_store(group: Any) -> Any:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from fsdp_compile._internals import _missing
+from fsdp_compile._internals import register_work as _register_work
 
 __all__ = ["backend_stream", "module", "register_work", "slab", "workspace"]
 
@@ -70,4 +71,4 @@ def backend_stream() -> torch.cuda.Stream:
 def register_work(output: torch.Tensor) -> None:
     """Register a symmetric-memory work object (its CUDA event recorded on the current stream) for
     ``output``: the graph's ``wait_tensor(output)`` then makes the compute stream wait for it."""
-    torch._C._distributed_c10d._register_work(output, module().Work())
+    _register_work(output, module().Work())
