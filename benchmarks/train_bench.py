@@ -103,6 +103,8 @@ FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fsdp_compile_cudagraphs": ({"cudagraphs": True}, {}),
     "fsdp_compile_copy_engine": ({"all_gather": "copy_engine"}, {}),
     "fsdp_compile_copy_engine_cudagraphs": ({"all_gather": "copy_engine", "cudagraphs": True}, {}),
+    "fsdp_compile_unplanned": ({"memory_plan": False}, {}),
+    "fsdp_compile_copy_engine_unplanned": ({"all_gather": "copy_engine", "memory_plan": False}, {}),
 }
 """fsdp_compile variants: name -> (``fsdp_compile.backend(**options)``, ``MixedPrecision(**options)`` beyond
 bf16/fp32). Add one line per new variant."""

@@ -164,7 +164,6 @@ def write_into_slots(gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: b
     slabs in symmetric memory)."""
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
-    first = next(n for n in graph.nodes if n.op != "placeholder")
     for use in uses:
         gathers = [nodes[name] for name in use.gathers]
         assert all(g.target == ALL_GATHER and g.meta["val"].dim() == 1 and len(g.users) == 1 for g in gathers), use
@@ -172,7 +171,7 @@ def write_into_slots(gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: b
         symmetric_here = symmetric and value.device.type == "cuda"
         args = (use.group, value.device, use.offset, use.nbytes // value.element_size(), value.dtype,
                 use.slab_bytes, symmetric_here)
-        with graph.inserting_before(first):
+        with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):  # a cast may be gone
             slot_node = graph.call_function(SLOT, args)
         slot_node.meta["val"] = value.new_empty(args[3])
         for gather in gathers:

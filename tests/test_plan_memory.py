@@ -245,3 +245,38 @@ def test_inductor_logs_the_plan_of_its_post_grad_graphs(fake_pg: None) -> None:
     print(f"hybrid, Inductor: {_figures(step)}")
     assert len(step["buffers"]) == 3 * 7
     assert step["lower_bound_bytes"] <= step["pool_bytes"] < step["maxpool_bytes"] <= step["per_collective_bytes"]
+
+
+def test_write_into_slots_when_the_graph_starts_with_a_cast_it_removes() -> None:
+    """The 0.95B benchmark's forward starts with a unit's cast to bf16, which the all-gather into a slot takes
+    over (and removes): every slot node must still land in the graph (a slot inserted before the removed cast
+    left the graph's node list broken backwards: Inductor's topological sort, walking it back, lost nodes)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fsdp_compile._graph import WAIT
+    from fsdp_compile._slots import SlotUse, write_into_slots
+
+    graph = fx.Graph()
+    with FakeTensorMode():
+        shards = [graph.placeholder(f"shard_{i}") for i in range(2)]
+        for shard in shards:
+            shard.meta["val"] = torch.empty(8)
+        reads = []
+        for shard in shards:
+            cast = graph.call_function(torch.ops.prims.convert_element_type.default, (shard, torch.bfloat16))
+            cast.meta["val"] = shard.meta["val"].to(torch.bfloat16)
+            gather = graph.call_function(ALL_GATHER, (cast, 2, "0"))
+            gather.meta["val"] = torch.empty(16, dtype=torch.bfloat16)
+            wait = graph.call_function(WAIT, (gather,))
+            wait.meta["val"] = gather.meta["val"]
+            reads.append(graph.call_function(torch.ops.aten.sum.default, (wait,)))
+    graph.output(tuple(reads))
+    gm = fx.GraphModule(torch.nn.Module(), graph)
+    gathers = [n.name for n in graph.nodes if n.target == ALL_GATHER]
+    uses = tuple(SlotUse("0", offset, 32, 512, (name,)) for offset, name in zip((0, 256), gathers))
+    write_into_slots(gm, uses, symmetric=False, keep_old=False)
+    assert list(reversed(gm.graph.nodes)) == list(gm.graph.nodes)[::-1]  # Inductor's topological sort walks back
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets.count(SLOT) == 2 and targets.count(INTO_SLOT) == 2
+    assert torch.ops.prims.convert_element_type.default not in targets  # each cast writes into its slot
+    assert slot_hazards(gm.graph) == []
