@@ -108,6 +108,7 @@ class Case:
     cudagraphs: bool = False  # BackendConfig.cudagraphs (CUDA graphs: GPU only)
     all_gather: Literal["nccl", "copy_engine"] = "nccl"  # BackendConfig.all_gather (copy engines: GPU only)
     mode: str | None = None  # torch.compile(mode=...)
+    memory_plan: bool = True  # BackendConfig.memory_plan: all-gathers into planned slots
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:
@@ -138,7 +139,8 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
         run = model
     else:
         backend = fsdp_compile.backend(
-            compiler=case.compiler, overlap=case.overlap, cudagraphs=case.cudagraphs, all_gather=case.all_gather
+            compiler=case.compiler, overlap=case.overlap, cudagraphs=case.cudagraphs, all_gather=case.all_gather,
+            memory_plan=case.memory_plan,
         )
         run = torch.compile(model, backend=backend, fullgraph=not case.graph_break, mode=case.mode)
     opt = torch.optim.AdamW(_param_groups(model), lr=LR)
@@ -187,6 +189,8 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
             print(f"parity {case} world {world_size} step {step}: loss {global_loss.item():.5f} rel {loss_err:.1e}; "
                   f"worst grad {worst_grad} rel {grad_errors[worst_grad]:.1e}; worst param {worst} rel {errors[worst]:.1e}")
         assert errors[worst] <= param_tol, f"step {step}: {worst} rel. error {errors[worst]:.2e} > {param_tol}"
+    if case.compiler != "eager" and world_size > 1:  # the plan was applied (or not): slabs exist (or not)
+        assert (fsdp_compile.slab_bytes() > 0) == case.memory_plan, fsdp_compile.slab_bytes()
     # The optimizer's state against the unsharded reference optimizer's, parameter by parameter.
     state = fsdp_compile.full_optimizer_state_dict(model, opt)["state"]
     for name, param in ref.named_parameters():
@@ -220,6 +224,10 @@ def test_parity_compile_mode_max_autotune() -> None:
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_parity_without_the_overlap_pass(compiler: str) -> None:
     spawn_ranks(_train_and_compare, 2, Case(compiler, steps=3, overlap=False))
+
+
+def test_parity_without_the_memory_plan() -> None:
+    spawn_ranks(_train_and_compare, 2, Case("aot_eager", torch.float64, torch.float64, steps=3, memory_plan=False))
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
