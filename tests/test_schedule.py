@@ -25,7 +25,10 @@ MM = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bm
 def _graphs(
     rank: int = 0, mp: fsdp_compile.MixedPrecision | None = None, **options: object
 ) -> dict[str, fx.GraphModule]:
-    graphs = compile_and_capture(rank=rank, mp=mp, backend_options={"compiler": "aot_eager", **options})
+    """The scheduled graphs as the overlap pass leaves them (the memory plan, which runs next, not applied: it
+    rewrites the all-gathers in place; ``test_codegen.py`` checks that the schedule survives it)."""
+    options = {"compiler": "aot_eager", "memory_plan": False, **options}
+    graphs = compile_and_capture(rank=rank, mp=mp, backend_options=options)
     return {stage: gm for stage, gm in graphs.items() if stage != "dynamo"}
 
 
