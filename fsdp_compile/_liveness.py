@@ -94,6 +94,9 @@ def _graph_buffers(graph: fx.Graph, stage: str, offset: int) -> tuple[tuple[Buff
     buffers: list[Buffer] = []
     saved: list[tuple[str, tuple[str, ...]]] = []
     for node in graph.nodes:
+        source = node.args[0] if node.target in GRAD_REDUCTIONS else node
+        if node.target in (ALL_GATHER, *GRAD_REDUCTIONS) and not isinstance(nbytes(source), int):
+            continue  # a symbolic size (dynamic shapes, after recompiles): not planned, its own allocation
         if node.target == ALL_GATHER:
             name, dtype = f"{stage}/{node.name}", str(node.meta["val"].dtype)
             aliases = _aliases(node)
@@ -105,7 +108,7 @@ def _graph_buffers(graph: fx.Graph, stage: str, offset: int) -> tuple[tuple[Buff
                 Buffer(name, str(node.args[2]), dtype, "gathered", nbytes(node), index[node], last, bool(escaping))
             )
         elif node.target in GRAD_REDUCTIONS:
-            source, wait = node.args[0], wait_of(node)
+            wait = wait_of(node)
             start = index[source] if source.op != "placeholder" else offset
             buffers.append(
                 Buffer(f"{stage}/{node.name}", str(node.args[-1]), str(source.meta["val"].dtype), "gradient",
