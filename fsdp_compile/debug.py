@@ -5,8 +5,10 @@
     for g in graphs: print(g.stage, g.gm.graph)
 
 Stages: ``"dynamo"`` (the Dynamo graph after ``insert_collectives``), ``"forward"`` and ``"backward"`` (the
-AOTAutograd graphs after partitioning, as the compiler receives them). The backward graph is compiled at
-the first backward call, so run it inside the ``with`` block.
+AOTAutograd graphs after partitioning, as the compiler receives them; with Inductor, as its post-grad passes
+leave them: the memory plan and the lowering included). The backward graph is compiled at the first backward
+call, so run it inside the ``with`` block. Inside the block graphs are compiled, never loaded from Inductor's
+caches: a cached graph would skip the passes and be captured as they found it.
 
 When the library falls back to something slower or heavier than asked for, it says so: :func:`degraded`
 counts every occurrence in ``torch._dynamo.utils.counters["fsdp_compile"][key]`` and logs a warning with
@@ -35,7 +37,7 @@ from typing import Literal
 
 import torch.fx as fx
 
-from fsdp_compile._internals import counters, trace_structured
+from fsdp_compile._internals import counters, inductor_config, trace_structured
 
 __all__ = ["CapturedGraph", "artifact", "capture_graphs", "degraded"]
 
@@ -58,7 +60,8 @@ def capture_graphs() -> Iterator[list[CapturedGraph]]:
     graphs: list[CapturedGraph] = []
     _active.append(graphs)
     try:
-        yield graphs
+        with inductor_config.patch(force_disable_caches=True):
+            yield graphs
     finally:
         _active.remove(graphs)
 

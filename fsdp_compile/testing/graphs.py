@@ -15,6 +15,7 @@ import torch.fx as fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
+from fsdp_compile._internals import inductor_config
 from fsdp_compile.debug import capture_graphs
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
 
@@ -52,7 +53,8 @@ def compile_and_capture(
 
 @contextmanager
 def memory_plans() -> Iterator[list[dict]]:
-    """The ``fsdp_compile_memory_plan`` artifacts logged meanwhile, parsed."""
+    """The ``fsdp_compile_memory_plan`` artifacts logged meanwhile, parsed. Graphs compiled meanwhile skip
+    Inductor's caches (a cached graph runs no pass and logs no plan)."""
     from torch._logging._internal import trace_log
 
     plans: list[dict] = []
@@ -66,6 +68,7 @@ def memory_plans() -> Iterator[list[dict]]:
     handler = Collect()
     trace_log.addHandler(handler)
     try:
-        yield plans
+        with inductor_config.patch(force_disable_caches=True):
+            yield plans
     finally:
         trace_log.removeHandler(handler)
