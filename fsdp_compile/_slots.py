@@ -42,6 +42,22 @@ class Slab:
     """The symmetric-memory handle (peers' buffers, barriers), or None for plain memory."""
     slots: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     """(byte offset, numel, dtype) -> the slot's tensor."""
+    _peer_parts: dict[tuple[int, int, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = field(
+        default_factory=dict
+    )
+
+    def peer_parts(self, gathered: torch.Tensor, group_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """For an all-gather's output ``gathered`` in this (symmetric) slab: (the peer's part in ``gathered``,
+        the same part in the peer's slab) for every peer, made once per place (the slabs have one layout)."""
+        key = (gathered.data_ptr() - self.memory.data_ptr(), gathered.numel(), gathered.dtype)
+        if key not in self._peer_parts:
+            start, part = key[0] // gathered.element_size(), gathered.numel() // group_size
+            mine = gathered.view(group_size, part)
+            self._peer_parts[key] = [
+                (mine[peer], self.handle.get_buffer(peer, (part,), gathered.dtype, start + peer * part))
+                for peer in range(group_size) if peer != self.handle.rank
+            ]
+        return self._peer_parts[key]
 
 
 _slabs: dict[tuple[str, str], Slab] = {}
@@ -96,7 +112,18 @@ def slab_bytes() -> int:
     return sum(slab.memory.numel() for slab in (*_slabs.values(), *_retired))
 
 
-@torch.library.custom_op("fsdp_compile::slot", mutates_args=())
+def _slot_fake(
+    group_name: str, device: torch.device, offset: int, numel: int, dtype: torch.dtype, slab_bytes: int, symmetric: bool
+) -> torch.Tensor:
+    return torch.empty(numel, dtype=dtype, device=device)
+
+
+@_internals.step_op(
+    "fsdp_compile::slot",
+    "(str group_name, Device device, SymInt offset, SymInt numel, ScalarType dtype, SymInt slab_bytes, bool symmetric)"
+    " -> Tensor",
+    _slot_fake,
+)
 def slot(
     group_name: str, device: torch.device, offset: int, numel: int, dtype: torch.dtype, slab_bytes: int, symmetric: bool
 ) -> torch.Tensor:
@@ -111,35 +138,29 @@ def slot(
     return slab.slots[key]
 
 
-@slot.register_fake
-def _(
-    group_name: str, device: torch.device, offset: int, numel: int, dtype: torch.dtype, slab_bytes: int, symmetric: bool
-) -> torch.Tensor:
-    return torch.empty(numel, dtype=dtype, device=device)
-
-
-SLOT = torch.ops.fsdp_compile.slot.default
+SLOT = slot
 _internals.lower_with_persistent_output(SLOT)
 
-
-@torch.library.custom_op("fsdp_compile::all_gather_into_slot", mutates_args=("out",))
-def all_gather_into_slot(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
-    """All-gather ``shard`` (cast to ``out``'s dtype) into ``out``, a slot: the cast writes this rank's part in
-    place, then an in-place all-gather (its input is that part: it lives in the slot, so no buffer the
-    collective reads can be freed or reused before it is done). Wait with ``wait_tensor(out)``."""
-    group = _internals.group_named(group_name)
-    part = out.view(group_size, -1)[group.rank()]
-    part.copy_(shard)
-    work = torch.distributed.all_gather_into_tensor(out, part, group=group, async_op=True)
-    _internals.register_work(out, work)
+INTO_SLOT_SCHEMA = "(Tensor shard, SymInt group_size, str group_name, Tensor(a!) out) -> ()"
+"""An all-gather into a slot (``all_gather_into_slot`` and the lowering's routes): ``out`` is written in place."""
 
 
-@all_gather_into_slot.register_fake
-def _(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
+def into_slot_fake(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
     return None
 
 
-INTO_SLOT = torch.ops.fsdp_compile.all_gather_into_slot.default
+@_internals.step_op("fsdp_compile::all_gather_into_slot", INTO_SLOT_SCHEMA, into_slot_fake)
+def all_gather_into_slot(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
+    """All-gather ``shard`` (cast to ``out``'s dtype) into ``out``, a slot: the cast writes this rank's part in
+    place, then an in-place all-gather (its input is that part: it lives in the slot, so no buffer the
+    collective reads can be freed or reused before it is done). Wait with ``wait_tensor(out)``. Host work: one
+    copy and the functional collective's C++ op (which registers the work for that wait)."""
+    part = out.view(group_size, -1)[_internals.group_named(group_name).rank()]
+    part.copy_(shard)
+    _internals.c10d_functional.all_gather_into_tensor_out(part, group_size, group_name, out=out)
+
+
+INTO_SLOT = all_gather_into_slot
 
 
 @dataclass(frozen=True)

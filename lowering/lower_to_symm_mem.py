@@ -49,7 +49,7 @@ from fsdp_compile._graph import (
     named,
     plan_json,
 )
-from fsdp_compile._slots import INTO_SLOT, slab_of
+from fsdp_compile._slots import INTO_SLOT, INTO_SLOT_SCHEMA, into_slot_fake, slab_of
 from fsdp_compile.debug import degraded
 
 __all__ = [
@@ -93,7 +93,16 @@ def reserve_workspace(group_name: str, nbytes: int) -> Any:
     return symm_mem.workspace(group_name, _workspace_bytes[group_name])
 
 
-@torch.library.custom_op("fsdp_compile::all_gather_copy_engine", mutates_args=(), device_types="cuda")
+def _gathered_fake(shard: torch.Tensor, group_size: int, group_name: str, workspace_bytes: int) -> torch.Tensor:
+    return shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
+
+
+@_internals.step_op(
+    "fsdp_compile::all_gather_copy_engine",
+    "(Tensor shard, SymInt group_size, str group_name, SymInt workspace_bytes) -> Tensor",
+    _gathered_fake,
+    device_type="cuda",
+)
 def all_gather_copy_engine(
     shard: torch.Tensor, group_size: int, group_name: str, workspace_bytes: int
 ) -> torch.Tensor:
@@ -122,34 +131,24 @@ def all_gather_copy_engine(
     return output
 
 
-@all_gather_copy_engine.register_fake
-def _(shard: torch.Tensor, group_size: int, group_name: str, workspace_bytes: int) -> torch.Tensor:
-    return shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
-
-
-@torch.library.custom_op("fsdp_compile::all_gather_into_slot_copy_engine", mutates_args=("out",), device_types="cuda")
+@_internals.step_op(
+    "fsdp_compile::all_gather_into_slot_copy_engine", INTO_SLOT_SCHEMA, into_slot_fake, device_type="cuda"
+)
 def all_gather_into_slot_copy_engine(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
     """``all_gather_into_slot`` by copy engines: ``out`` is (a view of) a slot of the group's symmetric slab;
     wait with ``wait_tensor(out)`` (steps: the module docstring)."""
     slab = slab_of(group_name, out.device)
-    rank, part = slab.handle.rank, shard.numel()
-    parts = out.view(group_size, part)
+    rank = slab.handle.rank
+    parts = out.view(group_size, -1)
     parts[rank].copy_(shard)
-    start = (out.data_ptr() - slab.memory.data_ptr()) // out.element_size()  # the same place in every slab
     side = symm_mem.backend_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         slab.handle.barrier()
-        for peer in range(group_size):
-            if peer != rank:
-                parts[peer].copy_(slab.handle.get_buffer(peer, (part,), out.dtype, start + peer * part))
+        for mine, peers in slab.peer_parts(out, group_size):
+            mine.copy_(peers)
         slab.handle.barrier()
         symm_mem.register_work(out)  # its event: recorded on `side`
-
-
-@all_gather_into_slot_copy_engine.register_fake
-def _(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
-    return None
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ __all__ = [
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
     "list_mode_options", "lower_with_persistent_output", "make_boxed_func", "outside_fake_mode", "placeholder_source",
     "min_cut_rematerialization_partition", "register_work", "release_cuda_graphs_before_destroy", "run_observed",
-    "set_optimizer_state_dict", "sharded_tensor", "trace_structured",
+    "set_optimizer_state_dict", "sharded_tensor", "step_op", "trace_structured",
 ]
 
 
@@ -112,9 +112,8 @@ def current_compile_id() -> str:
     return "?" if compile_id is None else str(compile_id)
 
 
-def group_named(group_name: str) -> Any:
-    """The process group a functional collective's ``group_name`` names."""
-    return _need("torch.distributed.distributed_c10d", "_resolve_process_group")(group_name)
+group_named: Callable[[str], Any] = _need("torch.distributed.distributed_c10d", "_resolve_process_group")
+"""The process group a functional collective's ``group_name`` names."""
 
 
 def register_work(tensor: torch.Tensor, work: Any) -> None:
@@ -198,6 +197,32 @@ def is_backward_compile(kwargs: Mapping[str, Any]) -> bool:
     """Whether ``compile_fx`` called its ``inner_compile`` for the backward graph (``is_backward=True``; the
     forward call passes no such keyword, on 2.11 and 2.13)."""
     return bool(kwargs.get("is_backward", False))
+
+
+_libraries: dict[str, Any] = {}
+
+
+def step_op(
+    qualname: str, schema: str, fake: Callable[..., Any], device_type: str | None = None
+) -> Callable[[Callable[..., Any]], Any]:
+    """Decorator: the function becomes the op ``qualname`` (``"ns::name"``) with ``schema`` (its arguments and
+    result, e.g. ``"(Tensor x, *, Tensor(a!) out) -> ()"``), for every device or ``device_type`` only, with
+    ``fake`` computing its output's shape under FakeTensorMode; returns the op (``OpOverload``). For ops that
+    compiled graphs call at every step: the function is registered straight with the dispatcher, without
+    ``torch.library.custom_op``'s autograd and version-counter kernels, which double the host time of a call.
+    The ops run inside compiled graphs only, on tensors that need no gradient."""
+
+    def define(impl: Callable[..., Any]) -> Any:
+        namespace, name = qualname.split("::")
+        if namespace not in _libraries:
+            _libraries[namespace] = torch.library.Library(namespace, "FRAGMENT")
+        library = _libraries[namespace]
+        library.define(name + schema)
+        library.impl(name, impl, "CompositeExplicitAutograd" if device_type is None else device_type.upper())
+        torch.library.register_fake(qualname, fake, lib=library)
+        return getattr(getattr(torch.ops, namespace), name).default
+
+    return define
 
 
 def lower_with_persistent_output(op: Any) -> None:
