@@ -22,6 +22,9 @@ projection, which backward needs first, is not resharded after forward):
 - ``fsdp_compile`` and its variants (``FSDP_COMPILE_VARIANTS``: one line each), among them
   ``fsdp_compile_cudagraphs`` (``backend(cudagraphs=True)``: no launch overhead) and
   ``fsdp_compile_copy_engine`` (``backend(all_gather="copy_engine")``: all-gathers off the SMs; GPU only).
+- HSDP as on two nodes, on a ``(replicate, shard)`` mesh of shape (2, ranks / 2) (4 ranks or more; left out of
+  the defaults below): ``fsdp2_compile_hsdp`` (``fsdp2_compile`` with ``fully_shard(mesh=...)``) and
+  ``fsdp_compile_hsdp`` (``shard(mesh=...)``).
 
 Per point of the sweep (tokens per GPU = batch x seq; seq up to 2048), each system run --repeats times,
 interleaved (report.py aggregates: medians over the runs, and the range of the step time): median step
@@ -69,7 +72,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import (
     DTensor,
@@ -120,6 +123,8 @@ class Prepared:
     params: list[nn.Parameter]
     context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
     """Entered around every step (Inductor settings must hold at the lazy backward compile too)."""
+    replicas: int = 1
+    """HSDP: ranks holding each gradient element (its norm's squares are summed over every rank)."""
 
 
 def _mp_fsdp_compile(**options: Any) -> fsdp_compile.MixedPrecision:
@@ -137,11 +142,18 @@ def _last_unit(model: Llama) -> nn.Module:
     return model if model.cfg.tie_embeddings else model.output
 
 
-def _shard(model: Llama, group: dist.ProcessGroup | None = None, **mp_options: Any) -> None:
+def _shard(
+    model: Llama, group: dist.ProcessGroup | None = None, mesh: DeviceMesh | None = None, **mp_options: Any
+) -> None:
     units = {id(m) for m in _unit_modules(model)}
     last = _last_unit(model)
-    fsdp_compile.shard(model, units=lambda fqn, m: id(m) in units, group=group, mp=_mp_fsdp_compile(**mp_options),
-                       reshard_after_forward=lambda fqn, m: m is not last)
+    fsdp_compile.shard(model, units=lambda fqn, m: id(m) in units, group=group, mesh=mesh,
+                       mp=_mp_fsdp_compile(**mp_options), reshard_after_forward=lambda fqn, m: m is not last)
+
+
+def _hsdp_mesh(device: torch.device) -> DeviceMesh:
+    """HSDP as on two nodes: 2 replicas, each sharded over half the ranks (FSDP2's (replicate, shard) mesh)."""
+    return init_device_mesh(device.type, (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
 
 
 def _compiled(model: Llama, backend_options: dict[str, Any]) -> Prepared:
@@ -162,15 +174,16 @@ def no_comm_bound(model: Llama, device: torch.device, **backend_options: Any) ->
     return _compiled(model, backend_options)
 
 
-def fsdp2_eager(model: Llama, device: torch.device, compile_blocks: bool = False) -> Prepared:
+def fsdp2_eager(model: Llama, device: torch.device, compile_blocks: bool = False, hsdp: bool = False) -> Prepared:
     policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE)
+    mesh = _hsdp_mesh(device) if hsdp else None
     for i, layer in enumerate(model.layers):
         if compile_blocks:
             model.layers.register_module(str(i), torch.compile(layer, fullgraph=True))
     for unit in _unit_modules(model):
-        fully_shard(unit, mp_policy=policy, reshard_after_forward=unit is not _last_unit(model))
-    fully_shard(model, mp_policy=policy)  # FSDP2 does not reshard the root after forward
-    return Prepared(model, list(model.parameters()))
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=unit is not _last_unit(model))
+    fully_shard(model, mesh=mesh, mp_policy=policy)  # FSDP2 does not reshard the root after forward
+    return Prepared(model, list(model.parameters()), replicas=2 if hsdp else 1)
 
 
 def _must_recompute(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
@@ -229,6 +242,11 @@ def _fsdp_compile(options: tuple[dict[str, Any], dict[str, Any]], model: Llama, 
     return _compiled(model, backend_options)
 
 
+def fsdp_compile_hsdp(model: Llama, device: torch.device) -> Prepared:
+    _shard(model, mesh=_hsdp_mesh(device))
+    return dataclasses.replace(_compiled(model, {}), replicas=2)
+
+
 SYSTEMS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
     "no_comm_bound": no_comm_bound,
     "no_comm_bound_cudagraphs": partial(no_comm_bound, cudagraphs=True),
@@ -236,7 +254,11 @@ SYSTEMS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
     "fsdp2_compile": partial(fsdp2_eager, compile_blocks=True),
     "simplefsdp": simplefsdp,
     **{name: partial(_fsdp_compile, options) for name, options in FSDP_COMPILE_VARIANTS.items()},
+    "fsdp2_compile_hsdp": partial(fsdp2_eager, compile_blocks=True, hsdp=True),
+    "fsdp_compile_hsdp": fsdp_compile_hsdp,
 }
+HSDP = {"fsdp2_compile_hsdp", "fsdp_compile_hsdp"}
+"""Systems on a (2, world size / 2) mesh: 4 ranks or more, left out of the defaults below."""
 
 
 def _sync(device: torch.device) -> None:
@@ -265,24 +287,25 @@ def _release(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def _grad_norms(model: nn.Module) -> dict[str, float]:
+def _grad_norms(model: nn.Module, replicas: int) -> dict[str, float]:
     """Parameter name, as in the unsharded model -> the norm of its full gradient. Every system holds each
-    gradient element on exactly one rank (fsdp_compile's pieces, FSDP2's and SimpleFSDP's ``Shard(0)``
-    DTensors), so the squares of the local parts sum over ranks to the full gradient's. For one rank's
-    model (the bounds) the sum is over unrelated gradients: not compared."""
+    gradient element on exactly ``replicas`` ranks (fsdp_compile's pieces, FSDP2's and SimpleFSDP's
+    ``Shard(0)`` DTensors; HSDP: one replica's), so the squares of the local parts sum over ranks to
+    ``replicas`` times the full gradient's. For one rank's model (the bounds) the sum is over unrelated
+    gradients: not compared."""
     names, squares = [], []
     for name, param in model.named_parameters():
         grad = param.grad
         if grad is None:
             continue
         if isinstance(grad, DTensor):
-            assert all(p.is_shard() for p in grad.placements), (name, grad.placements)
+            assert sum(p.is_shard() for p in grad.placements) == 1, (name, grad.placements)
             grad = grad.to_local()
         names.append(re.sub(r"parametrizations\.(\w+)\.original", r"\1", name.replace("_orig_mod.", "")))
         squares.append(grad.detach().float().pow(2).sum())
     total = torch.stack(squares)
     dist.all_reduce(total)
-    return dict(zip(names, total.sqrt().tolist()))
+    return dict(zip(names, (total / replicas).sqrt().tolist()))
 
 
 def _sharded_optimizer_ms(params: list[nn.Parameter], reps: int, device: torch.device) -> float:
@@ -329,7 +352,7 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, repeat: int, args: ar
     def step(i: int) -> torch.Tensor:
         loss = forward_backward(i)
         if i == 0:
-            result.grad_norms = _grad_norms(model)
+            result.grad_norms = _grad_norms(model, prepared.replicas)
         opt.step()
         opt.zero_grad()
         return loss
@@ -444,13 +467,17 @@ def main() -> None:
         parser.error("--split-steps and --repeats must be >= 1, and 0 < --warmup < --steps")
     cfg = MODELS[args.model]
     use_cuda = torch.cuda.is_available()
-    args.systems = args.systems or [s for s in SYSTEMS if use_cuda or s not in GPU_ONLY]
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if not use_cuda:
         gloo_one_worker_thread()  # torch's gloo races with two worker threads (heap corruption)
     dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+    hsdp_ok = dist.get_world_size() >= 4 and dist.get_world_size() % 2 == 0
+    if args.systems and not hsdp_ok and HSDP & set(args.systems):
+        parser.error(f"{sorted(HSDP & set(args.systems))} need an even number of ranks, at least 4")
+    leave_out = (set() if use_cuda else GPU_ONLY) | (set() if hsdp_ok else HSDP)
+    args.systems = args.systems or [s for s in SYSTEMS if s not in leave_out]
     results = []
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, cache_size_limit=64):
         for batch, seq in _points(args.tokens, cfg.max_seq_len):

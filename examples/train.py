@@ -3,6 +3,8 @@
     python examples/train.py                          # CPU: spawns 2 gloo ranks by itself (~1 min)
     torchrun --nproc_per_node 2 examples/train.py     # GPUs: NCCL, bf16 params, fp32 reduce-scatter
     torchrun --nproc_per_node 2 examples/train.py --cudagraphs --all-gather copy_engine   # GPU options
+    python examples/train.py --replicas 2             # HSDP: 4 CPU ranks, sharded over pairs, 2 replicas
+    torchrun --nproc_per_node 4 examples/train.py --replicas 2   # HSDP 2 x 2 on 4 GPUs
 
 Expected output on CPU (torch 2.13; the last digits of the error may differ on another CPU):
 
@@ -21,6 +23,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_compile
 from fsdp_compile.testing.dist import gloo_one_worker_thread, spawn_ranks
@@ -30,7 +33,7 @@ from fsdp_compile.testing.reference import reference_step, rel_error
 BATCH_PER_RANK, SEQ = 4, 16
 
 
-def train(rank: int, world_size: int, steps: int, options: dict[str, object]) -> None:
+def train(rank: int, world_size: int, steps: int, options: dict[str, object], replicas: int = 1) -> None:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     # Mixed precision on GPUs: gather and compute in bf16, reduce gradients in fp32, keep fp32 shards.
     param_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -40,14 +43,19 @@ def train(rank: int, world_size: int, steps: int, options: dict[str, object]) ->
     model = Llama(LLAMA_TINY).to(device)
     reference = copy.deepcopy(model)  # unsharded, trained on the global batch for the parity line
 
-    fsdp_compile.shard(model, units=[Block], mp=fsdp_compile.MixedPrecision(param_dtype=param_dtype))
+    # HSDP with replicas > 1: a (replicate, shard) mesh, as FSDP2's; gradients are averaged over all ranks.
+    shape = (replicas, world_size // replicas)
+    mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")) if replicas > 1 else None
+    fsdp_compile.shard(model, units=[Block], mesh=mesh, mp=fsdp_compile.MixedPrecision(param_dtype=param_dtype))
     compiled = torch.compile(model, backend=fsdp_compile.backend(**options))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
     if rank == 0:
         local = sum(p.numel() for p in model.parameters())
         total = sum(p.numel() for p in reference.parameters())
-        print(f"rank 0: {len(fsdp_compile.sharded_units(model))} units, {local} of {total} parameters on this rank")
+        units = len(fsdp_compile.sharded_units(model))
+        hsdp = f" (HSDP: {replicas} replicas)" if replicas > 1 else ""
+        print(f"rank 0: {units} units, {local} of {total} parameters on this rank{hsdp}")
 
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)
@@ -83,10 +91,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cudagraphs", action="store_true", help="Inductor's CUDA graphs (GPUs)")
     parser.add_argument("--all-gather", choices=["nccl", "copy_engine"], default="nccl", help="the all-gathers' route")
+    parser.add_argument("--replicas", type=int, default=1, help="HSDP: shard over world size / replicas ranks")
     args = parser.parse_args()
     options = {"cudagraphs": args.cudagraphs, "all_gather": args.all_gather}
-    if "RANK" not in os.environ:  # plain `python examples/train.py`: spawn 2 CPU ranks
-        spawn_ranks(train, 2, args.steps, options)
+    world_size = int(os.environ.get("WORLD_SIZE", 2 * args.replicas))
+    if args.replicas < 1 or world_size % args.replicas:
+        parser.error(f"--replicas must divide the number of ranks ({world_size}), got {args.replicas}")
+    if "RANK" not in os.environ:  # plain `python examples/train.py`: spawn 2 CPU ranks per replica
+        spawn_ranks(train, world_size, args.steps, options, args.replicas)
         return
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
@@ -94,7 +106,7 @@ def main() -> None:
         gloo_one_worker_thread()
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     try:
-        train(dist.get_rank(), dist.get_world_size(), args.steps, options)
+        train(dist.get_rank(), dist.get_world_size(), args.steps, options, args.replicas)
     finally:
         dist.destroy_process_group()
 

@@ -128,7 +128,7 @@ class EagerFirstForward:
     _END = "the end of the forward (no more gathers)"
 
     def __init__(self, root: nn.Module, states: Sequence[UnitState]) -> None:
-        self.group = states[0].group
+        self.groups = states[0].groups  # HSDP: within the replica, and across the replicas
         self.device = states[0].flat.device
         self.gathers: list[str] = []
         self.done = False
@@ -139,7 +139,8 @@ class EagerFirstForward:
 
     def agree_on(self, event: str) -> None:
         self.gathers.append(event)
-        agree(self.group, self.device, "eager mode's first forward", self.gathers)
+        for group in self.groups:
+            agree(group, self.device, "eager mode's first forward", self.gathers)
 
     def end_of_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """Forward hook of the root: the forward completed."""

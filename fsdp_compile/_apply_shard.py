@@ -24,13 +24,16 @@ __all__ = ["apply_shard"]
 log = logging.getLogger(__name__)
 
 
-def apply_shard(module: nn.Module, plan: ShardPlan, group: dist.ProcessGroup) -> list[UnitState]:
-    """Shard ``module`` in place as ``plan`` says, over ``group``; return its units."""
+def apply_shard(
+    module: nn.Module, plan: ShardPlan, group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None = None
+) -> list[UnitState]:
+    """Shard ``module`` in place as ``plan`` says, over ``group`` (and, HSDP, replicated over
+    ``replicate_group``); return its units."""
     world_size = dist.get_world_size(group)
     if plan.world_size != world_size:
         raise ValueError(f"the plan is for {plan.world_size} ranks, the group has {world_size}")
     rank = dist.get_rank(group)
-    built = [_build_unit(module, unit, group, rank) for unit in plan.units]
+    built = [_build_unit(module, unit, group, replicate_group, rank) for unit in plan.units]
 
     watch_optimizers()
     sharded_modules: dict[int, nn.Module] = {id(module): module}  # the root too: it refuses conversions
@@ -74,7 +77,7 @@ def _parameter(module: nn.Module, name: str) -> nn.Parameter:
 
 
 def _build_unit(
-    module: nn.Module, unit: UnitPlan, group: dist.ProcessGroup, rank: int
+    module: nn.Module, unit: UnitPlan, group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None, rank: int
 ) -> tuple[UnitState, list[nn.Parameter]]:
     """Copy this rank's chunk of the unit into a new flat shard and cut one piece per parameter; return the
     unit and the parameters it replaces, in slot order."""
@@ -94,6 +97,7 @@ def _build_unit(
         flat=flat,
         pieces=pieces,
         group=group,
+        replicate_group=replicate_group,
         param_dtype=unit.param_dtype,
         reduce_dtype=unit.reduce_dtype,
         grad_reduction=unit.grad_reduction,

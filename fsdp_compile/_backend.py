@@ -14,6 +14,8 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
@@ -21,7 +23,6 @@ from fsdp_compile import _internals, debug
 from fsdp_compile._agree import agree
 from fsdp_compile._apply_shard import unsharded_parameter_message
 from fsdp_compile._internals import PassPipeline, counters, inductor_config
-from fsdp_compile._unit import UnitState
 from fsdp_compile.config import BackendConfig
 from fsdp_compile.lowering.lower_to_symm_mem import (
     LowerToSymmMem,
@@ -141,13 +142,15 @@ def _check_parameters_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any])
 
 
 def _agree_on_gathers(plan: CollectivesPlan, unit_inputs: UnitInputsPlan) -> None:
-    """Before the graph runs, check that every rank compiled the same all-gathers (per process group)."""
-    by_group: dict[str, tuple[UnitState, list[str]]] = {}
+    """Before the graph runs, check that every rank compiled the same all-gathers (per process group; HSDP:
+    within the replica and across the replicas)."""
+    by_group: dict[str, tuple[dist.ProcessGroup, torch.device, list[str]]] = {}
     for gather in plan.gathers:
         state = unit_inputs.units[(gather.graph, gather.shard)]
-        by_group.setdefault(state.group_name, (state, []))[1].append(state.describe_gather())
-    for state, gathers in by_group.values():
-        agree(state.group, state.flat.device, f"the compiled graph {_internals.current_compile_id()}", gathers)
+        for group in state.groups:
+            by_group.setdefault(group.group_name, (group, state.flat.device, []))[2].append(state.describe_gather())
+    for group, device, gathers in by_group.values():
+        agree(group, device, f"the compiled graph {_internals.current_compile_id()}", gathers)
 
 
 def _insert_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CollectivesPlan:

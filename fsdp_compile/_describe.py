@@ -33,6 +33,9 @@ class UnitSummary:
 @dataclass(frozen=True)
 class ShardingSummary:
     world_size: int
+    """Ranks each unit is sharded over."""
+    replicas: int
+    """HSDP: how many copies of that sharding there are (1: none)."""
     num_parameters: int
     """Elements of the whole model's parameters, as the unsharded model counts them."""
     num_local_parameters: int
@@ -44,7 +47,9 @@ class ShardingSummary:
 
     def __str__(self) -> str:
         lines = [
-            f"{len(self.units)} units over {self.world_size} ranks: {self.num_parameters:,} parameters "
+            f"{len(self.units)} units over {self.world_size} ranks"
+            + (f" x {self.replicas} replicas (HSDP)" if self.replicas > 1 else "")
+            + f": {self.num_parameters:,} parameters "
             f"({self.num_local_parameters:,} on this rank)",
             "| unit | parameters | per rank | param dtype | reduce dtype | gradient reduction | reshard |",
             "|---|---|---|---|---|---|---|",
@@ -75,6 +80,7 @@ def describe(module: nn.Module) -> ShardingSummary:
     )
     return ShardingSummary(
         world_size=units[0].world_size,
+        replicas=units[0].replicas,
         num_parameters=sum(s.num_parameters for s in summaries),
         num_local_parameters=sum(p.numel() for p in module.parameters()),
         units=summaries,
@@ -84,16 +90,14 @@ def describe(module: nn.Module) -> ShardingSummary:
 @torch.no_grad()
 def sync_buffers(module: nn.Module, *, average: bool = False) -> None:
     """Make the module's buffers (not sharded: each rank keeps its own, as with FSDP2, e.g. BatchNorm's
-    running statistics) equal on every rank of the units' group: rank 0's values (``average=False``, as DDP
-    broadcasts them), or, for floating-point buffers, their mean over the ranks (``average=True``; other
-    buffers: rank 0's). A collective: call it on every rank, e.g. before evaluation or a checkpoint."""
-    unit = sharded_units(module)[0]
-    group = unit.group
-    if unit.world_size == 1:
-        return
-    for buffer in module.buffers():
-        if average and buffer.is_floating_point():
-            dist.all_reduce(buffer, group=group)
-            buffer.div_(unit.world_size)
-        else:
-            dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)
+    running statistics) equal on every rank of the units' group and, with HSDP, of its replicas: rank 0's
+    values (``average=False``, as DDP broadcasts them), or, for floating-point buffers, their mean over the
+    ranks (``average=True``; other buffers: rank 0's). A collective: call it on every rank, e.g. before
+    evaluation or a checkpoint."""
+    for group in sharded_units(module)[0].groups:  # HSDP: within each replica, then across the replicas
+        for buffer in module.buffers():
+            if average and buffer.is_floating_point():
+                dist.all_reduce(buffer, group=group)
+                buffer.div_(dist.get_world_size(group))
+            else:
+                dist.broadcast(buffer, src=dist.get_global_rank(group, 0), group=group)

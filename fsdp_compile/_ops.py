@@ -15,6 +15,9 @@
   With ``accum`` (a full-size leaf tensor in ``reduce_dtype``; gradient sync switched off), backward does
   no collective: the full gradient goes to ``accum`` and autograd accumulates it there across
   micro-batches; ``shard`` gets none (see ``set_requires_gradient_sync``).
+  HSDP (``replicas`` > 1: the unit is sharded over its group and replicated over a second group of
+  ``replicas`` ranks): the reduced gradient shard is then averaged over the replicas (an all-reduce in
+  ``reduce_dtype``), so every replica holds the average over all ranks.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ __all__ = [
     "GradReduction",
     "KEEP_GATHERED",
     "all_gather_nograd",
+    "all_reduce_avg",
     "all_to_all_avg",
     "cast_all_gather_differentiable",
     "reduce_scatter_avg",
@@ -54,6 +58,11 @@ def all_gather_nograd(tensor: torch.Tensor, world_size: int, group_name: str) ->
 def reduce_scatter_avg(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     """Functional reduce-scatter (average over the group) of a 1-D tensor along dim 0, waited for."""
     return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(tensor.contiguous(), "avg", world_size, group_name))
+
+
+def all_reduce_avg(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    """Functional all-reduce (average over the group), waited for."""
+    return _c10d.wait_tensor(_c10d.all_reduce(tensor, "avg", group_name))
 
 
 def all_to_all_avg(tensor: torch.Tensor, reduce_dtype: torch.dtype, world_size: int, group_name: str) -> torch.Tensor:
@@ -93,6 +102,8 @@ class _Collectives:
     grad_reduction: GradReduction
     world_size: int
     group_name: str
+    replicas: int
+    replicate_group_name: str | None
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -101,6 +112,8 @@ class _GatherUnit(torch.autograd.Function):
         ctx.shard_dtype = shard.dtype
         ctx.how = how
         ctx.accumulate_unsharded = accum is not None
+        if how.world_size == 1:  # replicated only (HSDP with a shard dimension of one rank)
+            return shard.to(how.param_dtype, copy=True)
         return all_gather_nograd(shard.to(how.param_dtype), how.world_size, how.group_name)
 
     @staticmethod
@@ -108,10 +121,14 @@ class _GatherUnit(torch.autograd.Function):
         how: _Collectives = ctx.how
         if ctx.accumulate_unsharded:
             return None, grad.to(how.reduce_dtype), None
-        if how.grad_reduction == "all_to_all":
+        if how.world_size == 1:
+            reduced = grad.to(how.reduce_dtype)
+        elif how.grad_reduction == "all_to_all":
             reduced = all_to_all_avg(grad, how.reduce_dtype, how.world_size, how.group_name)
         else:
             reduced = reduce_scatter_avg(grad.to(how.reduce_dtype), how.world_size, how.group_name)
+        if how.replicate_group_name is not None:
+            reduced = all_reduce_avg(reduced, how.replicate_group_name)
         return reduced.to(ctx.shard_dtype), None, None
 
 
@@ -123,11 +140,17 @@ def cast_all_gather_differentiable(
     grad_reduction: GradReduction,
     world_size: int,
     group_name: str,
+    replicas: int = 1,
+    replicate_group_name: str | None = None,
 ) -> torch.Tensor:
     """All-gather one unit's flat shard, cast to ``param_dtype``. Differentiable: gradients are averaged over
-    the group in ``reduce_dtype`` (by ``grad_reduction``) and reach ``shard`` in its own dtype, or, with
-    ``accum``, reach ``accum`` unreduced. A group of one rank needs no collective."""
-    if world_size == 1:
+    the group in ``reduce_dtype`` (by ``grad_reduction``), then over the ``replicas`` (HSDP: the group named
+    ``replicate_group_name``), and reach ``shard`` in its own dtype, or, with ``accum``, reach ``accum``
+    unreduced. One rank, not replicated: no collective."""
+    if world_size == 1 and replicas == 1:
         return shard.to(param_dtype)
-    how = _Collectives(param_dtype, reduce_dtype, grad_reduction, world_size, group_name)
+    how = _Collectives(
+        param_dtype, reduce_dtype, grad_reduction, world_size, group_name, replicas,
+        replicate_group_name if replicas > 1 else None,
+    )
     return _GatherUnit.apply(shard, accum, how)

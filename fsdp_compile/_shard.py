@@ -13,7 +13,10 @@ After ``shard(model, units=...)``:
   backend's passes turn into one all-gather per unit; in eager, a view of the unit's gathered buffer,
   filled by forward pre-hooks on the unit (or gathered on demand);
 * gradients reach ``flat.grad`` (averaged over ranks); a post-accumulate-grad hook hands each piece its
-  part and clears ``flat.grad``.
+  part and clears ``flat.grad``;
+* HSDP (a 2-D ``mesh``): the units are sharded over the mesh's second dimension and replicated over its
+  first; gradients are averaged over both (a reduce-scatter within the replica, then an all-reduce of the
+  shard across the replicas).
 
 ``shard()`` is :func:`~fsdp_compile._plan_shard.plan_shard` (pure: every check) followed by
 :func:`~fsdp_compile._apply_shard.apply_shard` (the mutation).
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_compile._apply_shard import apply_shard
 from fsdp_compile._plan_shard import ReshardSpec, UnitSpec, plan_shard
@@ -37,6 +41,7 @@ def shard(
     *,
     units: UnitSpec,
     group: dist.ProcessGroup | None = None,
+    mesh: DeviceMesh | None = None,
     mp: MixedPrecision | None = None,
     reshard_after_forward: ReshardSpec = True,
 ) -> nn.Module:
@@ -44,8 +49,10 @@ def shard(
 
     ``units``: module classes, or a predicate ``(fqn, submodule) -> bool``; every matching submodule is a
     unit, the parameters left over form the root unit. Tied parameters must be owned by modules of one
-    unit. ``group``: the process group to shard over (default: the default group). ``mp``: the
-    all-gather and reduce-scatter dtypes; the shards keep the model's dtype.
+    unit. ``group``: the process group to shard over (default: the default group). ``mesh`` (instead of
+    ``group``): a ``DeviceMesh`` of one dimension (shard over it) or two, ``(replicate, shard)`` as FSDP2's
+    HSDP: shard over the second dimension, replicate over the first; gradients are averaged over all the
+    mesh's ranks. ``mp``: the all-gather and reduce-scatter dtypes; the shards keep the model's dtype.
     ``reshard_after_forward``: ``True`` (default): every unit's gathered parameters are dropped after its
     forward and gathered again in backward. ``False``, or a predicate ``(unit fqn, unit module) -> bool``
     (``""`` and ``module`` for the root unit) that is false for some units: those keep their gathered
@@ -60,12 +67,35 @@ def shard(
             f"{type(module).__name__} (or one of its submodules) is already sharded by fsdp_compile.shard(); "
             "shard a model once, from its top-level module"
         )
-    group = _resolve_group(group)
+    if mesh is not None:
+        group, replicate_group = _mesh_groups(mesh, group)
+    else:
+        group, replicate_group = _resolve_group(group), None
     plan = plan_shard(
         module, units=units, world_size=dist.get_world_size(group), mp=mp, reshard_after_forward=reshard_after_forward
     )
-    apply_shard(module, plan, group)
+    apply_shard(module, plan, group, replicate_group)
     return module
+
+
+def _mesh_groups(
+    mesh: DeviceMesh, group: dist.ProcessGroup | None
+) -> tuple[dist.ProcessGroup, dist.ProcessGroup | None]:
+    """(the group to shard over, the group to replicate over or None) of a 1-D or ``(replicate, shard)`` mesh."""
+    if group is not None:
+        raise ValueError("pass group= or mesh= to fsdp_compile.shard(), not both: the mesh names the groups")
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"mesh must be a torch.distributed.device_mesh.DeviceMesh, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fsdp_compile.shard() takes a mesh of 1 dimension (shard) or 2 (replicate, shard), got {mesh.ndim} "
+            f"dimensions {mesh.mesh_dim_names or ''}: slice the mesh, e.g. mesh['dp_replicate', 'dp_shard']"
+        )
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"this rank (global rank {dist.get_rank()}) is not in the mesh passed as mesh=: {mesh}")
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    return mesh.get_group(1), mesh.get_group(0)
 
 
 def _resolve_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:

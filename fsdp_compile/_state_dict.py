@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_compile._agree import agree
@@ -25,8 +26,10 @@ def _slots_by_param(module: nn.Module) -> dict[int, tuple[UnitState, ParamSlot]]
 
 
 def _is_group_rank0(module: nn.Module) -> bool:
-    """Whether this rank is rank 0 of the group the module is sharded over (not necessarily global rank 0)."""
-    return sharded_units(module)[0].rank == 0
+    """Whether this rank is rank 0 of the group the module is sharded over (not necessarily global rank 0) and,
+    with HSDP, of the first replica."""
+    unit = sharded_units(module)[0]
+    return all(dist.get_rank(group) == 0 for group in (unit.group, unit.replicate_group) if group is not None)
 
 
 def _emit(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
@@ -39,7 +42,8 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
 
     Keys and order are those of ``module.state_dict()`` before sharding; both names of a tied weight map
     to the same tensor, as ``nn.Module.state_dict`` gives them. ``rank0_only``: only rank 0 of the group the
-    module is sharded over (``shard(group=...)``, not necessarily global rank 0) returns them; the other
+    module is sharded over (``shard(group=...)``, not necessarily global rank 0; with HSDP, of the first
+    replica) returns them; the other
     ranks return ``{}``. ``cpu_offload``: the tensors are copied to CPU memory, one unit at a time. Buffers
     are not sharded: each rank returns its own (with ``rank0_only``, that rank's); call
     ``fsdp_compile.sync_buffers`` first where they can differ across ranks (BatchNorm's running statistics).

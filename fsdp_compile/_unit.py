@@ -20,6 +20,7 @@ from fsdp_compile._layout import ParamSlot, UnitLayout
 from fsdp_compile._ops import (
     GradReduction,
     all_gather_nograd,
+    all_reduce_avg,
     cast_all_gather_differentiable,
     reduce_scatter_avg,
     unshard,
@@ -60,6 +61,7 @@ class UnitState:
         flat: torch.Tensor,
         pieces: list[Piece],
         group: dist.ProcessGroup,
+        replicate_group: dist.ProcessGroup | None = None,
         param_dtype: torch.dtype,
         reduce_dtype: torch.dtype,
         grad_reduction: GradReduction,
@@ -72,6 +74,10 @@ class UnitState:
         self.group_name: str = group.group_name
         self.world_size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
+        self.replicas = 1 if replicate_group is None else dist.get_world_size(replicate_group)
+        """HSDP: the unit is replicated over ``replicate_group`` (None: not replicated)."""
+        self.replicate_group = replicate_group if self.replicas > 1 else None
+        self.replicate_group_name = None if self.replicate_group is None else self.replicate_group.group_name
         self.param_dtype = param_dtype
         self.reduce_dtype = reduce_dtype
         self.grad_reduction: GradReduction = grad_reduction
@@ -97,12 +103,24 @@ class UnitState:
         return self.flat._version
 
     def describe_gather(self) -> str:
-        """The unit's all-gather and gradient reduction, as the ranks compare them (``fsdp_compile._agree``)."""
+        """The unit's all-gather and gradient reduction, as the ranks compare them (``fsdp_compile._agree``; with
+        HSDP also across the replicas, whose groups have names of their own: no group names here)."""
         return (
             f"all-gather of unit {self.layout.fqn or '<root>'!r} ({self.layout.padded_numel} elements in "
-            f"{self.param_dtype}; gradients by {self.grad_reduction} in {self.reduce_dtype}) over group "
-            f"{self.group_name!r} of {self.world_size}"
+            f"{self.param_dtype}; gradients by {self.grad_reduction} in {self.reduce_dtype}) over "
+            f"{self.world_size} ranks" + ("" if self.replicate_group is None else f" x {self.replicas} replicas")
         )
+
+    @property
+    def groups(self) -> list[dist.ProcessGroup]:
+        """The groups of more than one rank the unit's gradients are averaged over: its group, then (HSDP) the
+        replicas'."""
+        return [g for g, n in ((self.group, self.world_size), (self.replicate_group, self.replicas)) if n > 1]
+
+    @property
+    def communicates(self) -> bool:
+        """Whether the unit has collectives at all (sharded over more than one rank, or replicated)."""
+        return self.world_size > 1 or self.replicas > 1
 
     def cast_all_gather_differentiable(self) -> torch.Tensor:
         """All-gather the whole unit in ``param_dtype`` in eager mode, differentiable like the compiled graphs."""
@@ -114,6 +132,8 @@ class UnitState:
             self.grad_reduction,
             self.world_size,
             self.group_name,
+            self.replicas,
+            self.replicate_group_name,
         )
 
     def unshard_param(self, slot: ParamSlot) -> torch.Tensor:
@@ -149,17 +169,20 @@ class UnitState:
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
         self.requires_gradient_sync = requires
-        if not requires and self.accum is None and self.world_size > 1:
+        if not requires and self.accum is None and self.communicates:
             # A stride-0 view of one element: a leaf of full shape that costs no memory until it has a grad.
             zero = torch.zeros((), dtype=self.reduce_dtype, device=self.flat.device)
             self.accum = zero.expand(self.layout.padded_numel).requires_grad_()
             self.accum.register_post_accumulate_grad_hook(weak_method(self._reduce_accumulated))
 
     def _reduce_accumulated(self, accum: torch.Tensor) -> None:
-        """Post-accumulate hook of ``accum``: on the micro-batch that syncs, reduce-scatter once."""
+        """Post-accumulate hook of ``accum``: on the micro-batch that syncs, reduce-scatter once (and average
+        over the replicas)."""
         if not self.requires_gradient_sync or accum.grad is None:
             return
-        reduced = reduce_scatter_avg(accum.grad, self.world_size, self.group_name)
+        reduced = accum.grad if self.world_size == 1 else reduce_scatter_avg(accum.grad, self.world_size, self.group_name)
+        if self.replicate_group_name is not None:
+            reduced = all_reduce_avg(reduced, self.replicate_group_name)
         accum.grad = None
         self.accum = None
         counters["fsdp_compile"]["accumulated_reduce_scatters"] += 1

@@ -7,14 +7,15 @@ Postcondition: no marker is left; each unit that was read has exactly one ``cast
 checkpointed region is gathered inside the region, so its recomputation re-gathers it once), whose
 output is narrowed and viewed into the parameters. Its autograd (see ``fsdp_compile._ops``) makes
 AOTAutograd emit one gradient reduction per unit in the backward graph (a reduce-scatter, or an
-all-to-all when gradients travel in ``param_dtype``).
+all-to-all when gradients travel in ``param_dtype``), followed, for a replicated unit (HSDP), by an all-reduce
+of the reduced shard over the replicas.
 
 Example (a unit with two parameters)::
 
     w = fsdp_compile.unshard(flat_1, None, 0, 64, [8, 8], torch.float32)
     b = fsdp_compile.unshard(flat_1, None, 64, 8, [8], torch.float32)
   becomes
-    full = cast_all_gather_differentiable(flat_1, None, torch.float32, torch.float32, "reduce_scatter", 2, "0")
+    full = cast_all_gather_differentiable(flat_1, None, torch.float32, torch.float32, "reduce_scatter", 2, "0", 1, None)
     w = torch.narrow(full, 0, 0, 64).view([8, 8])
     b = torch.narrow(full, 0, 64, 8).view([8])
 """
@@ -70,6 +71,9 @@ class UnitGather:
     reshard_after_forward: bool
     world_size: int
     group_name: str
+    replicas: int
+    """HSDP: the number of replicas the reduced gradient is then averaged over (1: not replicated)."""
+    replicate_group_name: str | None
     views: tuple[ParamView, ...]
 
 
@@ -134,6 +138,8 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputsPlan) -> Collect
                 reshard_after_forward=state.reshard_after_forward,
                 world_size=state.world_size,
                 group_name=state.group_name,
+                replicas=state.replicas,
+                replicate_group_name=state.replicate_group_name,
                 views=tuple(unit_views),
             )
         )
@@ -172,6 +178,8 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
                     gather.grad_reduction,
                     gather.world_size,
                     gather.group_name,
+                    gather.replicas,
+                    gather.replicate_group_name,
                 ),
             )
             full.meta["fsdp_compile.unit"] = gather.unit

@@ -4,14 +4,17 @@ gradient reductions under a bound.
 Precondition: a post-grad forward or backward graph (what Inductor lowers) holding the units'
 ``all_gather_into_tensor`` -> ``wait_tensor`` chains (their input: a flat shard placeholder, possibly
 cast) and, in backward, the gradient reductions: ``reduce_scatter_tensor`` (or ``all_to_all_single``, when
-gradients travel in ``param_dtype``) -> ``wait_tensor`` chains: the gradient reductions.
+gradients travel in ``param_dtype``) -> ``wait_tensor`` chains: the gradient reductions; with HSDP each is
+followed by ``all_reduce`` -> ``wait_tensor`` of its result over the replicas, a gradient reduction too.
 Postcondition: the same nodes in a new, deterministic, topologically valid order:
 - all-gathers, ordered by the first use of their result, are issued ``prefetch`` units ahead: unit i's
   all-gather (and its cast) just before unit i-prefetch's wait (the first ``prefetch`` + 1 before the
   first unit's wait); each all-gather's wait sits right before the first use of the gathered buffer;
 - each gradient reduction stays where its input is ready; its wait, and what only the graph output needs from
   it (the local sum of an all-to-all, the cast back to the shard's dtype), move down to just before the
-  gradient reduction that comes ``max_inflight_grad_reductions`` later, or to the end of the graph.
+  gradient reduction that comes ``max_inflight_grad_reductions`` later, or to the end of the graph. A
+  reduction that reduces another's result (HSDP's all-reduce) is issued right after that wait, and then
+  counts as a later reduction itself.
 A collective that does not match these patterns stays where it is, and a graph for which no valid order
 exists keeps its order; both are counted and said once (``fsdp_compile.debug.degraded``).
 Nothing depends on the rank: every rank computes the same order. Inductor issues collectives and waits in
@@ -85,17 +88,22 @@ def _input_chain(ag: fx.Node) -> list[fx.Node] | None:
 
 def _tail(wait: fx.Node, output: fx.Node, position: dict[fx.Node, int]) -> list[fx.Node]:
     """``wait`` and the nodes after it that serve only the graph output (the local sum of an exchange, the
-    cast to the shard's dtype), in graph order."""
+    cast to the shard's dtype) or a next gradient reduction (which ends the tail: its own wait is its own
+    reduction's tail), in graph order."""
     tail = {wait}
     frontier = list(wait.users)
     while frontier:
         node = frontier.pop()
         if node is not output and node not in tail:
             tail.add(node)
-            frontier.extend(node.users)
+            if node.target not in GRAD_REDUCTIONS:
+                frontier.extend(node.users)
     changed = True
     while changed:  # keep only what nothing outside the tail (but the output) reads
-        outside = {n for n in tail if n is not wait and any(u is not output and u not in tail for u in n.users)}
+        outside = {
+            n for n in tail
+            if n is not wait and n.target not in GRAD_REDUCTIONS and any(u is not output and u not in tail for u in n.users)
+        }
         changed = bool(outside)
         tail -= outside
     return sorted(tail, key=position.__getitem__)

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_compile
 from fsdp_compile.testing.dist import spawn_ranks
@@ -15,10 +16,13 @@ from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 from fsdp_compile.testing.reference import full_grads, reference_step, rel_error
 
 
-def _clip_and_compare(rank: int, world_size: int, norm_type: float, compiled: bool) -> None:
+def _clip_and_compare(
+    rank: int, world_size: int, norm_type: float, compiled: bool, mesh: tuple[int, int] | None = None
+) -> None:
     torch.manual_seed(0)
     ref = Llama(LLAMA_TINY).double()
-    model = fsdp_compile.shard(copy.deepcopy(ref), units=[Block])
+    device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard")) if mesh else None
+    model = fsdp_compile.shard(copy.deepcopy(ref), units=[Block], mesh=device_mesh)
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True) if compiled else model
     tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2 * world_size, 9), generator=torch.Generator().manual_seed(1))
     local = tokens[2 * rank : 2 * rank + 2]
@@ -48,6 +52,11 @@ def test_clip_grad_norm_matches_the_unsharded_model(world_size: int, norm_type: 
 
 def test_clip_grad_norm_after_a_compiled_step() -> None:
     spawn_ranks(_clip_and_compare, 2, 2.0, True)
+
+
+def test_clip_grad_norm_with_hsdp() -> None:
+    """HSDP 2 x 2: the norm is summed within a replica (the replicas hold the same averaged gradients)."""
+    spawn_ranks(_clip_and_compare, 4, 2.0, True, (2, 2))
 
 
 def test_clip_grad_norm_refuses_a_norm_it_cannot_sum(fake_pg: None) -> None:

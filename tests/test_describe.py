@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
@@ -31,9 +32,24 @@ def test_describe_counts_the_whole_model(rank: int) -> None:
     assert f"{full:,} parameters" in str(summary) and '"num_parameters"' in summary.to_json()
 
 
-def _batchnorm(rank: int, world_size: int, average: bool) -> None:
+def test_describe_names_the_replicas_of_hsdp() -> None:
+    dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+        summary = fsdp_compile.describe(fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], mesh=mesh))
+    finally:
+        dist.destroy_process_group()
+    assert (summary.world_size, summary.replicas) == (2, 2)
+    assert str(summary).startswith("5 units over 2 ranks x 2 replicas (HSDP): ")
+    assert all(u.shard_numel * 2 == u.padded_numel for u in summary.units)
+
+
+def _batchnorm(rank: int, world_size: int, average: bool, mesh: tuple[int, int] | None) -> None:
     torch.manual_seed(0)
-    model = fsdp_compile.shard(nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)), units=[nn.Linear])
+    device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard")) if mesh else None
+    model = fsdp_compile.shard(
+        nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)), units=[nn.Linear], mesh=device_mesh
+    )
     model(torch.randn(16, 4) + rank).sum().backward()  # each rank's own batch statistics
     mine = model[1].running_mean.clone()
     everyone = [torch.empty_like(mine) for _ in range(world_size)]
@@ -48,5 +64,6 @@ def _batchnorm(rank: int, world_size: int, average: bool) -> None:
 
 
 @pytest.mark.parametrize("average", [False, True], ids=["rank0", "average"])
-def test_sync_buffers_makes_batchnorm_statistics_agree(average: bool) -> None:
-    spawn_ranks(_batchnorm, 2, average)
+@pytest.mark.parametrize("world_size, mesh", [(2, None), (4, (2, 2))], ids=["fsdp", "hsdp-2x2"])
+def test_sync_buffers_makes_batchnorm_statistics_agree(average: bool, world_size: int, mesh: tuple | None) -> None:
+    spawn_ranks(_batchnorm, world_size, average, mesh)

@@ -232,3 +232,21 @@ def test_a_group_this_rank_is_not_in() -> None:
     from fsdp_compile.testing.dist import spawn_ranks
 
     spawn_ranks(_not_a_member, 2)
+
+
+@pytest.mark.parametrize(
+    "mesh, extra, error, match",
+    [
+        ((2,), {"group": "WORLD"}, ValueError, r"pass group= or mesh= to fsdp_compile.shard\(\), not both"),
+        ((2, 1, 1), {}, ValueError, r"a mesh of 1 dimension \(shard\) or 2 \(replicate, shard\), got 3 dimensions"),
+        (None, {"mesh": "dp"}, TypeError, r"mesh must be a torch.distributed.device_mesh.DeviceMesh, got str"),
+    ],
+    ids=["group-and-mesh", "3-d", "not-a-mesh"],
+)
+def test_a_mesh_shard_cannot_use_is_refused(pg: None, mesh: tuple | None, extra: dict, error: type, match: str) -> None:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    kwargs = {k: dist.group.WORLD if v == "WORLD" else v for k, v in extra.items()}
+    if mesh is not None:
+        kwargs["mesh"] = init_device_mesh("cpu", mesh)
+    _expect_unchanged(Llama(LLAMA_TINY), error, match, units=[Block], **kwargs)

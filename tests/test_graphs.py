@@ -182,3 +182,33 @@ def test_a_unit_not_resharded_is_saved_for_backward_instead_of_regathered(compil
             node = node.args[0]
         sources.add(node)
     assert len(sources) == 1, sorted(n.name for n in leaked)
+
+
+AR, WAIT = _c10d.all_reduce.default, _c10d.wait_tensor.default
+
+
+def test_hsdp_reduces_within_the_replica_then_averages_across_replicas_overlapped() -> None:
+    """HSDP 2 x 2 (rank 0 of 4): per unit, the all-gathers and reduce-scatters run over the shard dimension's
+    group, then ONE all-reduce of the reduced shard over the replicate dimension's group; the schedule issues
+    each all-reduce once its reduce-scatter is waited for and waits for it later, past backward compute."""
+    graphs = _graphs("aot_eager", fsdp_compile.MixedPrecision(), mesh=(2, 2))
+    forward, backward = graphs["forward"], graphs["backward"]
+    gathers = [n for g in (forward, backward) for n in g.graph.nodes if n.target in ALL_GATHERS]
+    scatters = [n for n in backward.graph.nodes if n.target == RS]
+    reduces = [n for n in backward.graph.nodes if n.target == AR]
+    assert len(gathers) == 2 * N_UNITS and len(scatters) == N_UNITS and len(reduces) == N_UNITS
+    shard_groups = {n.args[2] for n in gathers} | {n.args[3] for n in scatters}
+    replicate_groups = {n.args[2] for n in reduces}
+    assert len(shard_groups) == 1 and len(replicate_groups) == 1 and shard_groups != replicate_groups
+    assert {n.args[1] for n in gathers} == {n.args[2] for n in scatters} == {2}  # the shard dimension's size
+    order = {n: i for i, n in enumerate(backward.graph.nodes)}
+    overlapped = 0
+    for reduce in reduces:
+        source = reduce.args[0]
+        while source.target != WAIT:  # the reduced shard: a view of the reduce-scatter's result
+            source = source.args[0]
+        assert source.args[0].target == RS
+        (wait,) = reduce.users
+        between = [n for n in backward.graph.nodes if order[reduce] < order[n] < order[wait]]
+        overlapped += any(n.op == "call_function" and n.target not in (RS, AR, WAIT) for n in between)
+    assert overlapped >= N_UNITS - 2, overlapped

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_compile
 from fsdp_compile.testing.dist import spawn_ranks
@@ -109,6 +110,7 @@ class Case:
     all_gather: Literal["nccl", "copy_engine"] = "nccl"  # BackendConfig.all_gather (copy engines: GPU only)
     mode: str | None = None  # torch.compile(mode=...)
     memory_plan: bool = True  # BackendConfig.memory_plan: all-gathers into planned slots
+    mesh: tuple[int, int] | None = None  # HSDP: shard(mesh=...) on a (replicate, shard) DeviceMesh of this shape
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:
@@ -134,7 +136,12 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
         param_dtype=case.param_dtype, reduce_dtype=case.dtype, exchange_grads_in_param_dtype=case.exchange
     )
     reshard = (lambda fqn, module: fqn != "") if case.keep_root_gathered else True
-    fsdp_compile.shard(model, units=unit_classes, mp=mp, reshard_after_forward=reshard)
+    mesh = init_device_mesh(case.device, case.mesh, mesh_dim_names=("replicate", "shard")) if case.mesh else None
+    fsdp_compile.shard(model, units=unit_classes, mp=mp, reshard_after_forward=reshard, mesh=mesh)
+    if case.mesh:  # each rank holds 1/shard of the model
+        units = fsdp_compile.sharded_units(model)
+        assert {(u.world_size, u.replicas) for u in units} == {(case.mesh[1], case.mesh[0])}
+        assert sum(u.flat.numel() for u in units) * case.mesh[1] == sum(u.layout.padded_numel for u in units)
     if case.compiler == "eager":
         run = model
     else:
@@ -189,7 +196,8 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
             print(f"parity {case} world {world_size} step {step}: loss {global_loss.item():.5f} rel {loss_err:.1e}; "
                   f"worst grad {worst_grad} rel {grad_errors[worst_grad]:.1e}; worst param {worst} rel {errors[worst]:.1e}")
         assert errors[worst] <= param_tol, f"step {step}: {worst} rel. error {errors[worst]:.2e} > {param_tol}"
-    if case.compiler != "eager" and world_size > 1:  # the plan was applied (or not): slabs exist (or not)
+    sharded_over = case.mesh[1] if case.mesh else world_size
+    if case.compiler != "eager" and sharded_over > 1:  # the plan was applied (or not): slabs exist (or not)
         assert (fsdp_compile.slab_bytes() > 0) == case.memory_plan, fsdp_compile.slab_bytes()
     # The optimizer's state against the unsharded reference optimizer's, parameter by parameter.
     state = fsdp_compile.full_optimizer_state_dict(model, opt)["state"]
@@ -228,6 +236,26 @@ def test_parity_without_the_overlap_pass(compiler: str) -> None:
 
 def test_parity_without_the_memory_plan() -> None:
     spawn_ranks(_train_and_compare, 2, Case("aot_eager", torch.float64, torch.float64, steps=3, memory_plan=False))
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_parity_hsdp_2x2(compiler: str) -> None:
+    """HSDP on 4 ranks: sharded over pairs, replicated across them; float64 parity with the unsharded model."""
+    spawn_ranks(_train_and_compare, 4, Case(compiler, torch.float64, torch.float64, steps=3, mesh=(2, 2)))
+
+
+def test_parity_hsdp_2x2_gradient_accumulation() -> None:
+    spawn_ranks(
+        _train_and_compare, 4,
+        Case("aot_eager", torch.float64, torch.float64, steps=2, micro_batches=2, gradient_sync=False, mesh=(2, 2)),
+    )
+
+
+@pytest.mark.parametrize("gradient_sync", [True, False], ids=["", "accumulated"])
+def test_parity_replicated_only(gradient_sync: bool) -> None:
+    """A (replicate, shard) mesh whose shard dimension has one rank: DDP, gradients averaged by all-reduce."""
+    case = Case("aot_eager", torch.float64, torch.float64, steps=2, micro_batches=2, gradient_sync=gradient_sync)
+    spawn_ranks(_train_and_compare, 2, dataclasses.replace(case, mesh=(2, 1)))
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
@@ -302,3 +330,12 @@ def test_parity_world_size_one() -> None:
 )
 def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype, options: dict) -> None:
     spawn_ranks(_train_and_compare, 2, Case("inductor", dtype, param_dtype, device="cuda", **options), backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs (NCCL)")
+@pytest.mark.parametrize("mesh", [None, (2, 2)], ids=["fsdp-4", "hsdp-2x2"])
+def test_parity_nccl_four_gpus(mesh: tuple[int, int] | None) -> None:
+    spawn_ranks(
+        _train_and_compare, 4, Case("inductor", torch.float64, torch.float64, device="cuda", mesh=mesh), backend="nccl"
+    )

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
+from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
@@ -29,14 +30,18 @@ def compile_and_capture(
     cfg: LlamaConfig = LLAMA_TINY,
     gradient_sync: bool = True,
     backend_options: dict[str, Any] | None = None,
+    mesh: tuple[int, int] | None = None,
     **shard_options: Any,
 ) -> dict[str, fx.GraphModule]:
-    """Shard a tiny Llama (every ``Block`` a unit) as ``rank`` of 2, compile it with
-    ``fsdp_compile.backend(**backend_options)``, run one forward and backward, and return the graphs by
-    stage: ``"dynamo"`` (after the Dynamo-graph passes), ``"forward"``, ``"backward"``."""
+    """Shard a tiny Llama (every ``Block`` a unit) as ``rank`` of 2 (or, HSDP, on a (replicate, shard) mesh of
+    shape ``mesh``), compile it with ``fsdp_compile.backend(**backend_options)``, run one forward and
+    backward, and return the graphs by stage: ``"dynamo"`` (after the Dynamo-graph passes), ``"forward"``,
+    ``"backward"``."""
     torch._dynamo.reset()  # many compilations of Llama.forward in one process: stay under the recompile limit
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=mesh[0] * mesh[1] if mesh else 2)
     try:
+        if mesh:
+            shard_options["mesh"] = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(0)
         model = fsdp_compile.shard(Llama(cfg), units=[Block], mp=mp, **shard_options)
         fsdp_compile.set_requires_gradient_sync(model, gradient_sync)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_compile
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
@@ -11,11 +12,15 @@ from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 __all__ = ["train_step", "trained"]
 
 
-def trained(seed: int, steps: int) -> tuple[Llama, torch.nn.Module, torch.optim.Optimizer]:
-    """A tiny Llama (every Block a unit) with weights from ``seed``, sharded, compiled, and trained ``steps``
-    steps with AdamW: (model, compiled model, optimizer)."""
+def trained(
+    seed: int, steps: int, mesh: tuple[int, int] | None = None
+) -> tuple[Llama, torch.nn.Module, torch.optim.Optimizer]:
+    """A tiny Llama (every Block a unit) with weights from ``seed``, sharded (HSDP on a (replicate, shard) mesh
+    of shape ``mesh`` if given), compiled, and trained ``steps`` steps with AdamW: (model, compiled model,
+    optimizer)."""
     torch.manual_seed(seed)
-    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard")) if mesh else None
+    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], mesh=device_mesh)
     compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(steps):
