@@ -3,6 +3,7 @@
     torchrun --nproc_per_node 2 benchmarks/train_bench.py                       # 0.95B, sweep 1024 and 4096 tokens/GPU
     torchrun --nproc_per_node 2 benchmarks/train_bench.py --tokens 2048 8192    # more points of the sweep
     torchrun --nproc_per_node 2 benchmarks/train_bench.py --model tiny-untied --tokens 16 32   # CPU smoke test (gloo)
+    torchrun --nproc_per_node 4 benchmarks/train_bench.py --model 8.8b --tokens 8192 --seq-cap 8192 --checkpoint selective
 
 Systems (same model, initial weights, data and mixed precision: bf16 params/compute, fp32 reduce, fp32
 main weights, AdamW; the same FSDP units, torchtitan's: every block, the embedding and the output
@@ -90,12 +91,21 @@ from torch.utils.checkpoint import (
 
 import fsdp_compile
 from fsdp_compile.testing.dist import gloo_one_worker_thread
-from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_TINY, Llama, LlamaConfig
+from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_8B, LLAMA_TINY, Llama, LlamaConfig, save_matmuls
 from fsdp_compile.testing.profile import communication_overlap, trace_steps
 
 from report import BOUNDS, GRAD_RTOL, LOSS_RTOL, Result, check_gradients, check_losses, table  # benchmarks/
 
-MODELS = {"0.95b": LLAMA_0_95B, "tiny": LLAMA_TINY, "tiny-untied": dataclasses.replace(LLAMA_TINY, tie_embeddings=False)}
+MODELS = {
+    "0.95b": LLAMA_0_95B, "8.8b": LLAMA_8B, "tiny": LLAMA_TINY,
+    "tiny-untied": dataclasses.replace(LLAMA_TINY, tie_embeddings=False),
+}
+CHECKPOINTING = {
+    "none": {},
+    "full": {"checkpoint_blocks": True},
+    "selective": {"checkpoint_blocks": True, "checkpoint_policy": save_matmuls},
+}
+"""``--checkpoint``: activation checkpointing of every block, the same for every system (the model does it)."""
 PARAM_DTYPE, REDUCE_DTYPE = torch.bfloat16, torch.float32
 PEAK_BF16_FLOPS = {"H100": 989.4e12, "H200": 989.4e12}  # dense, per GPU
 
@@ -418,9 +428,9 @@ def _keep_trace(path: str, trace_dir: str, stem: str) -> None:
         shutil.copyfileobj(src, dst)
 
 
-def _points(tokens: list[int], max_seq: int) -> list[tuple[int, int]]:
-    """tokens per GPU -> (batch, seq): seq as long as the model allows (up to 2048), batch for the rest."""
-    seq_cap = min(max_seq, 2048)
+def _points(tokens: list[int], max_seq: int, seq_cap: int) -> list[tuple[int, int]]:
+    """tokens per GPU -> (batch, seq): seq as long as the model allows (up to ``seq_cap``), batch for the rest."""
+    seq_cap = min(max_seq, seq_cap)
     return [(max(1, t // seq_cap), min(t, seq_cap)) for t in tokens]
 
 
@@ -428,6 +438,7 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     use_cuda = device.type == "cuda"
     return {
         "model": args.model,
+        "checkpoint": args.checkpoint,
         "world_size": dist.get_world_size(),
         "card": torch.cuda.get_device_name(device) if use_cuda else "cpu",
         "torch": torch.__version__,
@@ -451,6 +462,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="fsdp_compile vs FSDP2, SimpleFSDP-style and the bounds, in one run.")
     parser.add_argument("--model", choices=sorted(MODELS), default="0.95b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096], help="tokens per GPU (sweep points)")
+    parser.add_argument("--seq-cap", type=int, default=2048, help="longest sequence; more tokens go to the batch")
+    parser.add_argument("--checkpoint", choices=sorted(CHECKPOINTING), default="none",
+                        help="activation checkpointing of every block (selective: save the matmuls)")
     parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), help="default: all (on CPU: all but GPU_ONLY)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every system per point, interleaved (headlines: 3)")
     parser.add_argument("--steps", type=int, default=10)
@@ -465,7 +479,7 @@ def main() -> None:
         parser.error("--systems must include fsdp2_eager and no_comm_bound (the tables' references)")
     if args.split_steps < 1 or args.repeats < 1 or not 0 < args.warmup < args.steps:
         parser.error("--split-steps and --repeats must be >= 1, and 0 < --warmup < --steps")
-    cfg = MODELS[args.model]
+    cfg = dataclasses.replace(MODELS[args.model], **CHECKPOINTING[args.checkpoint])
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -480,7 +494,7 @@ def main() -> None:
     args.systems = args.systems or [s for s in SYSTEMS if s not in leave_out]
     results = []
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, cache_size_limit=64):
-        for batch, seq in _points(args.tokens, cfg.max_seq_len):
+        for batch, seq in _points(args.tokens, cfg.max_seq_len, args.seq_cap):
             for repeat in range(args.repeats):
                 for name in args.systems:
                     results.append(run(name, cfg, batch, seq, repeat, args, device))

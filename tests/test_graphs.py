@@ -12,7 +12,7 @@ import fsdp_compile
 from fsdp_compile._ops import cast_all_gather_differentiable
 from fsdp_compile.passes.insert_collectives import is_marker
 from fsdp_compile.testing.graphs import compile_and_capture
-from fsdp_compile.testing.llama import LLAMA_TINY, LlamaConfig
+from fsdp_compile.testing.llama import LLAMA_TINY, LlamaConfig, save_matmuls
 
 N_UNITS = LLAMA_TINY.n_layers + 1  # one per block + the root (embedding tied with output, final norm)
 _c10d = torch.ops._c10d_functional
@@ -212,3 +212,16 @@ def test_hsdp_reduces_within_the_replica_then_averages_across_replicas_overlappe
         between = [n for n in backward.graph.nodes if order[reduce] < order[n] < order[wait]]
         overlapped += any(n.op == "call_function" and n.target not in (RS, AR, WAIT) for n in between)
     assert overlapped >= N_UNITS - 2, overlapped
+
+
+def test_selective_checkpointing_saves_the_matmuls_not_the_gathered_parameters() -> None:
+    """``save_matmuls`` keeps every matmul's output for backward (its backward graph has the matmuls of a
+    model without checkpointing, no recomputed one); the all-gathers and their views stay recomputed
+    (re-gathered in backward), as without a policy."""
+    cfg = dataclasses.replace(LLAMA_TINY, checkpoint_blocks=True, checkpoint_policy=save_matmuls)
+    selective = _graphs("aot_eager", fsdp_compile.MixedPrecision(), cfg)
+    test_no_gathered_parameter_is_saved_for_backward(selective)
+    assert _count(selective["backward"], ALL_GATHERS) == N_UNITS
+    matmuls = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
+    plain = _graphs("aot_eager", fsdp_compile.MixedPrecision())
+    assert _count(selective["backward"], matmuls) == _count(plain["backward"], matmuls) > 0

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_compile
 from fsdp_compile.testing.dist import spawn_ranks
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, save_matmuls
 from fsdp_compile.testing.reference import full_grads, reference_step, rel_error
 
 BATCH_PER_RANK = 2
@@ -79,7 +79,9 @@ def _build(case: "Case") -> tuple[torch.nn.Module, list[type[torch.nn.Module]]]:
         from transformers.models.gpt2.modeling_gpt2 import GPT2Block
 
         return HFCausalLM(), [GPT2Block]
-    return Llama(dataclasses.replace(LLAMA_TINY, checkpoint_blocks=case.checkpoint)), [Block]
+    policy = save_matmuls if case.checkpoint == "selective" else None
+    cfg = dataclasses.replace(LLAMA_TINY, checkpoint_blocks=bool(case.checkpoint), checkpoint_policy=policy)
+    return Llama(cfg), [Block]
 
 
 class BreakingBlock(Block):
@@ -101,7 +103,8 @@ class Case:
     micro_batches: int = 1
     gradient_sync: bool = True  # False: no reduce-scatter on the micro-batches before the last
     graph_break: bool = False  # a graph break inside every unit, compiled with fullgraph=False
-    checkpoint: bool = False  # torch.utils.checkpoint around every block
+    checkpoint: Literal[False, True, "selective"] = False  # torch.utils.checkpoint around every block (selective:
+    # save_matmuls)
     model: Literal["llama", "gpt2"] = "llama"
     overlap: bool = True  # the schedule_overlap pass
     exchange: bool = True  # MixedPrecision.exchange_grads_in_param_dtype (matters when param_dtype is narrower)
@@ -302,6 +305,13 @@ def test_parity_gradient_accumulation_reduce_once_inductor() -> None:
 @pytest.mark.parametrize("compiler", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
 def test_parity_activation_checkpointing(compiler: str) -> None:
     spawn_ranks(_train_and_compare, 2, Case(compiler, steps=3, checkpoint=True))
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_parity_selective_activation_checkpointing(compiler: str) -> None:
+    """A policy that saves the matmuls (torchtitan's kind): the gathered parameters are still not saved."""
+    case = Case(compiler, torch.float64, torch.float64, steps=3, checkpoint="selective")
+    spawn_ranks(_train_and_compare, 2, case)
 
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])

@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
 
-__all__ = ["Block", "Llama", "LlamaConfig", "LLAMA_0_95B", "LLAMA_TINY"]
+__all__ = ["Block", "Llama", "LlamaConfig", "LLAMA_0_95B", "LLAMA_8B", "LLAMA_TINY", "save_matmuls"]
+
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+
+def save_matmuls(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """A selective-checkpointing policy (as torchtitan's per-op one): keep the matmuls' outputs, recompute
+    the rest (norms, activations, casts) in backward."""
+    return CheckpointPolicy.MUST_SAVE if op in _MATMULS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -23,6 +34,9 @@ class LlamaConfig:
     tie_embeddings: bool = True
     checkpoint_blocks: bool = False
     """Recompute each block in backward (``torch.utils.checkpoint``, non-reentrant)."""
+    checkpoint_policy: Callable[..., Any] | None = None
+    """With ``checkpoint_blocks``: selective checkpointing, ``policy(ctx, op, *args, **kwargs)`` ->
+    ``torch.utils.checkpoint.CheckpointPolicy`` (``create_selective_checkpoint_contexts``)."""
 
 
 LLAMA_TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=48, max_seq_len=16)
@@ -32,6 +46,12 @@ LLAMA_0_95B = LlamaConfig(
     vocab_size=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, max_seq_len=2048, tie_embeddings=False
 )
 """The benchmark's 0.95B configuration: 16 blocks of 51.4M parameters, untied 65.5M embedding and output."""
+
+LLAMA_8B = LlamaConfig(
+    vocab_size=128256, dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, max_seq_len=8192, tie_embeddings=False
+)
+"""Llama 3.1 8B's shape with full multi-head attention (8.8B parameters: 32 blocks of 235M, untied 525M
+embedding and output): the 8B-class point of the benchmark, as torchtitan's published 8-GPU table."""
 
 
 class RMSNorm(nn.Module):
@@ -116,7 +136,9 @@ class Llama(nn.Module):
         cos, sin = self.rope_cos[:s].to(x.dtype), self.rope_sin[:s].to(x.dtype)
         for layer in self.layers:
             if self.cfg.checkpoint_blocks:
-                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+                policy = self.cfg.checkpoint_policy
+                context = partial(create_selective_checkpoint_contexts, policy) if policy else noop_context_fn
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False, context_fn=context)
             else:
                 x = layer(x, cos, sin)
         logits = self.output(self.norm(x))
