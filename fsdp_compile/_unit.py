@@ -117,11 +117,6 @@ class UnitState:
         replicas'."""
         return [g for g, n in ((self.group, self.world_size), (self.replicate_group, self.replicas)) if n > 1]
 
-    @property
-    def communicates(self) -> bool:
-        """Whether the unit has collectives at all (sharded over more than one rank, or replicated)."""
-        return self.world_size > 1 or self.replicas > 1
-
     def cast_all_gather_differentiable(self) -> torch.Tensor:
         """All-gather the whole unit in ``param_dtype`` in eager mode, differentiable like the compiled graphs."""
         return cast_all_gather_differentiable(
@@ -169,7 +164,7 @@ class UnitState:
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
         self.requires_gradient_sync = requires
-        if not requires and self.accum is None and self.communicates:
+        if not requires and self.accum is None and self.groups:  # a unit with collectives
             # A stride-0 view of one element: a leaf of full shape that costs no memory until it has a grad.
             zero = torch.zeros((), dtype=self.reduce_dtype, device=self.flat.device)
             self.accum = zero.expand(self.layout.padded_numel).requires_grad_()
@@ -180,7 +175,9 @@ class UnitState:
         over the replicas)."""
         if not self.requires_gradient_sync or accum.grad is None:
             return
-        reduced = accum.grad if self.world_size == 1 else reduce_scatter_avg(accum.grad, self.world_size, self.group_name)
+        reduced = accum.grad
+        if self.world_size > 1:
+            reduced = reduce_scatter_avg(reduced, self.world_size, self.group_name)
         if self.replicate_group_name is not None:
             reduced = all_reduce_avg(reduced, self.replicate_group_name)
         accum.grad = None

@@ -101,8 +101,8 @@ def _tail(wait: fx.Node, output: fx.Node, position: dict[fx.Node, int]) -> list[
     changed = True
     while changed:  # keep only what nothing outside the tail (but the output) reads
         outside = {
-            n for n in tail
-            if n is not wait and n.target not in GRAD_REDUCTIONS and any(u is not output and u not in tail for u in n.users)
+            n for n in tail if n is not wait and n.target not in GRAD_REDUCTIONS
+            and any(u is not output and u not in tail for u in n.users)
         }
         changed = bool(outside)
         tail -= outside
