@@ -50,7 +50,7 @@ LLAMA_0_95B = LlamaConfig(
 LLAMA_8B = LlamaConfig(
     vocab_size=128256, dim=4096, n_layers=32, n_heads=32, ffn_dim=14336, max_seq_len=8192, tie_embeddings=False
 )
-"""Llama 3.1 8B's shape with full multi-head attention (8.8B parameters: 32 blocks of 235M, untied 525M
+"""Llama 3.1 8B's shape with full multi-head attention (8.8B parameters: 32 blocks of 243M, untied 525M
 embedding and output): the 8B-class point of the benchmark, as torchtitan's published 8-GPU table."""
 
 
