@@ -22,7 +22,7 @@ from torch import nn
 from fsdp_compile import _internals, debug
 from fsdp_compile._agree import agree
 from fsdp_compile._apply_shard import unsharded_parameter_message
-from fsdp_compile._internals import PassPipeline, counters, inductor_config
+from fsdp_compile._internals import PassPipeline, counters, inductor_config, lifetime
 from fsdp_compile.config import BackendConfig
 from fsdp_compile.lowering.lower_to_symm_mem import (
     LowerToSymmMem,
@@ -184,7 +184,7 @@ def _compile(
 ) -> Callable[..., Any]:
     settings = {**_user_settings(config, mode, options), **_inductor_settings(config)}
     plan = _insert_collectives(gm, example_inputs)
-    if settings.get("triton.cudagraphs") and not _internals.release_cuda_graphs_before_destroy():
+    if settings.get("triton.cudagraphs") and not lifetime.before_destroy("cuda_graphs", lifetime.release_cuda_graphs):
         debug.degraded(
             "cuda_graphs_hold_destroy",
             "this torch gives fsdp_compile no way to free Inductor's CUDA graphs before destroy_process_group(), "

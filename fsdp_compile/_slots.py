@@ -23,11 +23,12 @@ import torch.fx as fx
 
 from fsdp_compile import _internals
 from fsdp_compile._graph import ALL_GATHER, CASTS, lint_and_recompile
-from fsdp_compile._internals import symm_mem
+from fsdp_compile._internals import lifetime, symm_mem
 from fsdp_compile._liveness import last_read
 
 __all__ = [
-    "INTO_SLOT", "SLOT", "Slab", "SlotUse", "all_gather_into_slot", "reserve_slab", "slab_bytes", "slab_of", "slot",
+    "INTO_SLOT", "SLOT", "Slab", "SlotUse", "all_gather_into_slot", "release_slabs", "reserve_slab", "slab_bytes",
+    "slab_of", "slot",
     "slot_hazards", "write_into_slots",
 ]
 
@@ -89,7 +90,16 @@ def reserve_slab(group_name: str, device: torch.device, nbytes: int, symmetric: 
         else:
             memory, handle = torch.empty(nbytes, dtype=torch.uint8, device=device), None
     _slabs[key] = slab = Slab(memory, handle)
+    lifetime.before_destroy("slabs", release_slabs)
     return slab
+
+
+def release_slabs() -> None:
+    """Free every slab. ``destroy_process_group()`` calls it first: a symmetric slab's handle dies with its
+    group, and groups made later reuse the names. A graph compiled before that reserves its slab again at its
+    next run (a collective: every rank runs the same graphs)."""
+    _slabs.clear()
+    _retired.clear()
 
 
 @contextlib.contextmanager

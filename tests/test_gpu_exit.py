@@ -1,7 +1,7 @@
 """A torchrun script that trains with CUDA graphs and ends with ``destroy_process_group()`` exits (2 GPUs).
 
 It used to hang there on every rank: a live CUDA graph that captured NCCL kernels keeps their communicator
-in use, and NCCL's teardown waits for it (``fsdp_compile._internals.release_cuda_graphs_before_destroy``)."""
+in use, and NCCL's teardown waits for it (``fsdp_compile._internals.release_cuda_graphs``)."""
 
 from __future__ import annotations
 

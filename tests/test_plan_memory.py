@@ -279,3 +279,18 @@ def test_write_into_slots_when_the_graph_starts_with_a_cast_it_removes() -> None
     assert targets.count(SLOT) == 2 and targets.count(INTO_SLOT) == 2
     assert torch.ops.prims.convert_element_type.default not in targets  # each cast writes into its slot
     assert slot_hazards(gm.graph) == []
+
+
+def test_destroy_process_group_frees_the_slabs() -> None:
+    """``destroy_process_group()`` frees the slabs first (a symmetric slab's handle dies with its group, and
+    groups made later reuse the names); a model compiled in the next group gets slabs of its own."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    for _ in range(2):
+        torch.distributed.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+        try:
+            _step(*_model("llama"), "aot_eager")
+            assert fsdp_compile.slab_bytes() > 0
+        finally:
+            torch.distributed.destroy_process_group()
+        assert fsdp_compile.slab_bytes() == 0

@@ -16,7 +16,7 @@ Shims, each where it is used:
 * Gloo process groups race in torch itself when two worker threads finish at once (heap corruption):
   :func:`gloo_one_worker_thread`, for the multi-rank harness on CPU.
 * ``destroy_process_group()`` hangs while a CUDA graph that captured NCCL kernels lives, and has no hook:
-  :func:`release_cuda_graphs_before_destroy`.
+  ``fsdp_compile._internals.lifetime``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ __all__ = [
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_store", "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
     "list_mode_options", "lower_with_persistent_output", "make_boxed_func", "outside_fake_mode", "placeholder_source",
-    "min_cut_rematerialization_partition", "register_work", "release_cuda_graphs_before_destroy", "run_observed",
+    "min_cut_rematerialization_partition", "register_work", "run_observed",
     "set_optimizer_state_dict", "sharded_tensor", "step_op", "trace_structured",
 ]
 
@@ -237,30 +237,6 @@ def lower_with_persistent_output(op: Any) -> None:
         return result
 
     lowering.register_lowering(op, type_promotion_kind=None)(lower)
-
-
-class _BeforeDestroy:
-    """Rides on ``_world.comms``: ``destroy_process_group()`` of the default group calls ``finalize()`` on each
-    of those (torchcomms communicators) before it shuts the process groups down, then empties the list."""
-
-    def finalize(self) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # the graphs' last replays are done
-        _need("torch._inductor.cudagraph_trees", "reset_cudagraph_trees")()
-
-
-def release_cuda_graphs_before_destroy() -> bool:
-    """Have ``destroy_process_group()`` (of the default group, as a script ends) first free Inductor's CUDA
-    graphs; False where this torch has no place for it. Why: NCCL's teardown of a communicator waits for every
-    live CUDA graph that captured its kernels, so every rank hung in ``destroy_process_group`` after training
-    with CUDA graphs (seen on 2 H100s; freeing the graphs first, it returned in 0.4 s; pytorch#115388).
-    torch has no hook there; the list of communicators it finalizes first is the one place that runs."""
-    comms = getattr(_need("torch.distributed.distributed_c10d", "_world"), "comms", None)
-    if not isinstance(comms, list):
-        return False
-    if not any(isinstance(comm, _BeforeDestroy) for comm in comms):
-        comms.append(_BeforeDestroy())
-    return True
 
 
 def gloo_one_worker_thread() -> None:
