@@ -20,6 +20,7 @@ from fsdp_compile import _internals, debug
 
 __all__ = [
     "ALL_GATHER",
+    "ALL_REDUCE",
     "CASTS",
     "GRAD_REDUCTIONS",
     "GraphPass",
@@ -38,9 +39,10 @@ log = logging.getLogger(__name__)
 _c10d = _internals.c10d_functional
 ALL_GATHER = _c10d.all_gather_into_tensor.default
 WAIT = _c10d.wait_tensor.default
-GRAD_REDUCTIONS = (_c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default, _c10d.all_reduce.default)
+GRAD_REDUCTIONS = (_c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default)
 """A unit's gradient reduction: a reduce-scatter, or an all-to-all (gradients exchanged in param_dtype); with
-HSDP, followed by an all-reduce of the reduced shard over the replicas (a reduction of its own)."""
+HSDP, followed by an ``ALL_REDUCE`` of the reduced shard over the replicas."""
+ALL_REDUCE = _c10d.all_reduce.default
 CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 """The dtype casts AOTAutograd and Inductor's decompositions produce (``tensor.to(dtype)``)."""
 

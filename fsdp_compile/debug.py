@@ -8,7 +8,8 @@ Stages: ``"dynamo"`` (the Dynamo graph after ``insert_collectives``), ``"forward
 AOTAutograd graphs after partitioning, as the compiler receives them; with Inductor, as its post-grad passes
 leave them: the memory plan and the lowering included). The backward graph is compiled at the first backward
 call, so run it inside the ``with`` block. Inside the block graphs are compiled, never loaded from Inductor's
-caches: a cached graph would skip the passes and be captured as they found it.
+caches: a cached graph would skip the passes and be captured as they found it (Inductor's
+``force_disable_caches``, for every thread: fresh cache folders, Triton kernels compiled anew).
 
 When the library falls back to something slower or heavier than asked for, it says so: :func:`degraded`
 counts every occurrence in ``torch._dynamo.utils.counters["fsdp_compile"][key]`` and logs a warning with

@@ -5,16 +5,19 @@ Precondition: a post-grad forward or backward graph (what Inductor lowers) holdi
 ``all_gather_into_tensor`` -> ``wait_tensor`` chains (their input: a flat shard placeholder, possibly
 cast) and, in backward, the gradient reductions: ``reduce_scatter_tensor`` (or ``all_to_all_single``, when
 gradients travel in ``param_dtype``) -> ``wait_tensor`` chains: the gradient reductions; with HSDP each is
-followed by ``all_reduce`` -> ``wait_tensor`` of its result over the replicas, a gradient reduction too.
+followed by ``all_reduce`` -> ``wait_tensor`` of its result over the replicas (its second stage).
 Postcondition: the same nodes in a new, deterministic, topologically valid order:
 - all-gathers, ordered by the first use of their result, are issued ``prefetch`` units ahead: unit i's
   all-gather (and its cast) just before unit i-prefetch's wait (the first ``prefetch`` + 1 before the
   first unit's wait); each all-gather's wait sits right before the first use of the gathered buffer;
 - each gradient reduction stays where its input is ready; its wait, and what only the graph output needs from
   it (the local sum of an all-to-all, the cast back to the shard's dtype), move down to just before the
-  gradient reduction that comes ``max_inflight_grad_reductions`` later, or to the end of the graph. A
-  reduction that reduces another's result (HSDP's all-reduce) is issued right after that wait, and then
-  counts as a later reduction itself.
+  gradient reduction that comes ``max_inflight_grad_reductions`` later, or to the end of the graph. With a
+  second stage (an all-reduce of what only the output needs from that wait: HSDP's, over the reduced shard,
+  which is small) the wait moves to the next gradient reduction only, the all-reduce is issued right after
+  it, and its own wait (and what follows) moves ``max_inflight_grad_reductions`` reductions further down:
+  the large unsharded gradients wait for one reduction at a time, the small shards for the bound's worth.
+  Any other all-reduce stays where it is.
 A collective that does not match these patterns stays where it is, and a graph for which no valid order
 exists keeps its order; both are counted and said once (``fsdp_compile.debug.degraded``).
 Nothing depends on the rank: every rank computes the same order. Inductor issues collectives and waits in
@@ -39,6 +42,7 @@ import torch.fx as fx
 
 from fsdp_compile._graph import (
     ALL_GATHER,
+    ALL_REDUCE,
     CASTS,
     GRAD_REDUCTIONS,
     GraphPass,
@@ -88,20 +92,20 @@ def _input_chain(ag: fx.Node) -> list[fx.Node] | None:
 
 def _tail(wait: fx.Node, output: fx.Node, position: dict[fx.Node, int]) -> list[fx.Node]:
     """``wait`` and the nodes after it that serve only the graph output (the local sum of an exchange, the
-    cast to the shard's dtype) or a next gradient reduction (which ends the tail: its own wait is its own
-    reduction's tail), in graph order."""
+    cast to the shard's dtype) or a second stage (an all-reduce, which ends the tail: its wait has a tail of
+    its own), in graph order."""
     tail = {wait}
     frontier = list(wait.users)
     while frontier:
         node = frontier.pop()
         if node is not output and node not in tail:
             tail.add(node)
-            if node.target not in GRAD_REDUCTIONS:
+            if node.target != ALL_REDUCE:
                 frontier.extend(node.users)
     changed = True
     while changed:  # keep only what nothing outside the tail (but the output) reads
         outside = {
-            n for n in tail if n is not wait and n.target not in GRAD_REDUCTIONS
+            n for n in tail if n is not wait and n.target != ALL_REDUCE
             and any(u is not output and u not in tail for u in n.users)
         }
         changed = bool(outside)
@@ -132,26 +136,37 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
             gathers.append((min(wait.users, key=position.__getitem__), node, wait, chain))
     gathers.sort(key=lambda g: position[g[0]])
 
-    scatters = []  # (rs, tail)
+    scatters = []  # (rs, tail, tails of its second stages)
     for node in nodes:
         if node.target not in GRAD_REDUCTIONS:
             continue
         if (wait := wait_of(node)) is None:
             unscheduled.append((node.name, "gradient reduction not followed by exactly one wait_tensor"))
-        else:
-            scatters.append((node, _tail(wait, output, position)))
+            continue
+        tail, stages = _tail(wait, output, position), []
+        for stage in (n for n in tail if n.target == ALL_REDUCE):
+            if (stage_wait := wait_of(stage)) is None:
+                unscheduled.append((stage.name, "gradient reduction not followed by exactly one wait_tensor"))
+            else:
+                stages.append(_tail(stage_wait, output, position))
+        scatters.append((node, tail, stages))
 
     moved = {n for _, ag, wait, chain in gathers for n in (*chain, ag, wait)}
-    moved |= {n for _, tail in scatters for n in tail}
+    moved |= {n for _, tail, stages in scatters for n in (*tail, *(m for s in stages for m in s))}
     before: dict[fx.Node, list[fx.Node]] = {}  # node -> what to place right before it
     for i, (anchor, ag, wait, chain) in enumerate(gathers):
         before.setdefault(anchor, []).append(wait)
         issue_before = gathers[max(i - prefetch, 0)][2]  # the wait of the unit `prefetch` units earlier
         before.setdefault(issue_before, []).extend([*chain, ag])
-    for j, (_, tail) in enumerate(scatters):
-        k = j + max_inflight_grad_reductions
-        later = scatters[k][0] if k < len(scatters) else output
-        before.setdefault(later, []).extend(tail)
+
+    def later(k: int) -> fx.Node:
+        return scatters[k][0] if k < len(scatters) else output
+
+    for j, (_, tail, stages) in enumerate(scatters):
+        first = 1 if stages else max_inflight_grad_reductions  # HSDP: its all-reduce goes out one reduction later
+        before.setdefault(later(j + first), []).extend(tail)
+        for stage_tail in stages:
+            before.setdefault(later(j + 1 + max_inflight_grad_reductions), []).extend(stage_tail)
 
     order: list[fx.Node] = []
 
@@ -170,11 +185,11 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
     if not valid:
         order = nodes
     unit_bytes = max((nbytes(w) for _, _, w, _ in gathers), default=0)
-    rs_bytes = max((nbytes(rs.args[0]) for rs, _ in scatters if isinstance(rs.args[0], fx.Node)), default=0)
+    rs_bytes = max((nbytes(rs.args[0]) for rs, _, _ in scatters if isinstance(rs.args[0], fx.Node)), default=0)
     return OverlapPlan(
         order=tuple(n.name for n in order),
         gathers=tuple(ag.name for _, ag, _, _ in gathers),
-        grad_reductions=tuple(rs.name for rs, _ in scatters),
+        grad_reductions=tuple(rs.name for rs, _, _ in scatters),
         prefetch=prefetch,
         max_inflight_grad_reductions=max_inflight_grad_reductions,
         extra_bytes=prefetch * unit_bytes + (max_inflight_grad_reductions - 1) * rs_bytes if valid else 0,

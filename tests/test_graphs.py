@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 import torch.fx as fx
+from torch._dynamo.utils import counters
 
 import fsdp_compile
 from fsdp_compile._ops import cast_all_gather_differentiable
@@ -187,11 +188,16 @@ def test_a_unit_not_resharded_is_saved_for_backward_instead_of_regathered(compil
 AR, WAIT = _c10d.all_reduce.default, _c10d.wait_tensor.default
 
 
-def test_hsdp_reduces_within_the_replica_then_averages_across_replicas_overlapped() -> None:
+@pytest.mark.parametrize("limit", [1, 2, 3])
+def test_hsdp_reduces_within_the_replica_then_averages_across_replicas_overlapped(limit: int) -> None:
     """HSDP 2 x 2 (rank 0 of 4): per unit, the all-gathers and reduce-scatters run over the shard dimension's
     group, then ONE all-reduce of the reduced shard over the replicate dimension's group; the schedule issues
-    each all-reduce once its reduce-scatter is waited for and waits for it later, past backward compute."""
-    graphs = _graphs("aot_eager", fsdp_compile.MixedPrecision(), mesh=(2, 2))
+    each all-reduce once its reduce-scatter is waited for and waits for it later, past backward compute,
+    whatever the bound on reductions in flight."""
+    counters.clear()
+    options = {"compiler": "aot_eager", "max_inflight_grad_reductions": limit}
+    graphs = compile_and_capture(mp=fsdp_compile.MixedPrecision(), backend_options=options, mesh=(2, 2))
+    assert not counters["fsdp_compile"]["schedule_overlap_kept_original_order"]
     forward, backward = graphs["forward"], graphs["backward"]
     gathers = [n for g in (forward, backward) for n in g.graph.nodes if n.target in ALL_GATHERS]
     scatters = [n for n in backward.graph.nodes if n.target == RS]

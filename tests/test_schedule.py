@@ -210,3 +210,26 @@ def test_bad_options() -> None:
         fsdp_compile.backend(prefetch=-1)
     with pytest.raises(ValueError, match="max_inflight_grad_reductions must be an int >= 1"):
         fsdp_compile.backend(max_inflight_grad_reductions=0)
+
+
+def test_an_all_reduce_of_the_models_own_stays_put_and_the_units_are_still_scheduled() -> None:
+    """Only an all-reduce of a gradient reduction's result (HSDP's second stage) is scheduled with it; one the
+    model computes itself (e.g. a norm over a tensor-parallel group) stays where it is, and the units'
+    all-gathers are still prefetched around it."""
+    graph = fx.Graph()
+    shards = [graph.placeholder(f"shard{i}") for i in range(3)]
+    x = graph.placeholder("x")
+    for i, shard in enumerate(shards):
+        gathered = graph.call_function(WAIT, (graph.call_function(AG, (shard, 2, "0")),))
+        x = graph.call_function(torch.ops.aten.mul.Tensor, (x, gathered))
+        x = graph.call_function(WAIT, (graph.call_function(_c10d.all_reduce.default, (x, "sum", "1")),))
+    graph.output((x,))
+    plan = plan_overlap(graph, prefetch=1, max_inflight_grad_reductions=2)
+    assert not plan.kept_original_order and not plan.unscheduled and len(plan.gathers) == 3
+    order = list(plan.order)
+    reduces = [n.name for n in graph.nodes if n.target == _c10d.all_reduce.default]
+    muls = [n.name for n in graph.nodes if n.target == torch.ops.aten.mul.Tensor]
+    for mul, reduce in zip(muls, reduces):  # each all-reduce right after the compute it reduces, as before
+        assert order.index(reduce) == order.index(mul) + 1
+    gathers = [n.name for n in graph.nodes if n.target == AG]
+    assert order.index(gathers[1]) < order.index(muls[0])  # the next unit is prefetched

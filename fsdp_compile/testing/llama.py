@@ -10,7 +10,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts, noop_context_fn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = ["Block", "Llama", "LlamaConfig", "LLAMA_0_95B", "LLAMA_8B", "LLAMA_TINY", "save_matmuls"]
 
@@ -135,9 +135,10 @@ class Llama(nn.Module):
         x = self.tok_embeddings(tokens)
         cos, sin = self.rope_cos[:s].to(x.dtype), self.rope_sin[:s].to(x.dtype)
         for layer in self.layers:
-            if self.cfg.checkpoint_blocks:
-                policy = self.cfg.checkpoint_policy
-                context = partial(create_selective_checkpoint_contexts, policy) if policy else noop_context_fn
+            if self.cfg.checkpoint_blocks and self.cfg.checkpoint_policy is None:
+                x = checkpoint(layer, x, cos, sin, use_reentrant=False)
+            elif self.cfg.checkpoint_blocks:  # (Dynamo takes context_fn as a partial, not as a plain function)
+                context = partial(create_selective_checkpoint_contexts, self.cfg.checkpoint_policy)
                 x = checkpoint(layer, x, cos, sin, use_reentrant=False, context_fn=context)
             else:
                 x = layer(x, cos, sin)
