@@ -396,11 +396,19 @@ def _f(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
 
+def _header(title: str, columns: str) -> None:
+    """A table's title and its Markdown header (``columns``: separated by ``|``)."""
+    names = [c.strip() for c in columns.split("|")]
+    print(title)
+    print("| " + " | ".join(names) + " |")
+    print("|" + "---|" * len(names))
+
+
 def print_check(rows: list[CheckRow]) -> None:
-    print("CHECK: fsdp_compile (FSDP, NCCL, defaults) measured vs the model fed the same run's bound forward+backward")
-    print("| case | GPUs | tokens/GPU | runs | bound fwd+bwd ms | step ms meas / model | err | "
-          "fwd+bwd ms meas / model | exposed ms meas / model | host ms |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    _header("CHECK: fsdp_compile (FSDP, NCCL, defaults) measured vs the model fed the same run's bound "
+            "forward+backward",
+            "case | GPUs | tokens/GPU | runs | bound fwd+bwd ms | step ms meas / model | err | "
+            "fwd+bwd ms meas / model | exposed ms meas / model | host ms")
     for r in rows:
         print(f"| {r.case} | {r.gpus} | {r.tokens} | {r.runs} | {r.bound_fwd_bwd_ms:.1f} | "
               f"{r.measured_step_ms:.1f} / {r.model.step_ms:.1f} | {_err(r.model.step_ms, r.measured_step_ms)} | "
@@ -413,17 +421,16 @@ def print_check(rows: list[CheckRow]) -> None:
 
 def print_comm() -> None:
     model = comm_per_step_ms(LLAMA_0_95B, Topology(2, "fsdp"), Network())
-    print("\nCOMM: every collective of one step back to back, 0.95B, 2 GPUs, 4096 tokens/GPU (no-overlap traces)")
-    print("| run | measured ms | model ms | err |\n|---|---|---|---|")
+    _header("\nCOMM: every collective of one step back to back, 0.95B, 2 GPUs, 4096 tokens/GPU (no-overlap traces)",
+            "run | measured ms | model ms | err")
     for run, measured in NO_OVERLAP_COMM_MS.items():
         print(f"| {run} | {measured:.1f} | {model:.1f} | {_err(model, measured)} |")
 
 
 def print_prediction(rows: list[PredictionRow]) -> None:
-    print("\nPREDICTION: 8 GPUs per node; FSDP shards over all GPUs, HSDP shards within a node, all-reduces across")
-    print("| model | tokens/GPU | nodes | GPUs | inter-node GB/s per GPU | FSDP step ms (exposed) | "
-          "HSDP step ms (exposed) | tight bound ms FSDP / HSDP | faster |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    _header("\nPREDICTION: 8 GPUs per node; FSDP shards over all GPUs, HSDP shards within a node, all-reduces across",
+            "model | tokens/GPU | nodes | GPUs | inter-node GB/s per GPU | FSDP step ms (exposed) | "
+            "HSDP step ms (exposed) | tight bound ms FSDP / HSDP | faster")
     for r in rows:
         winner = "HSDP" if r.hsdp_speedup > 1 else "FSDP"
         faster = "same" if r.nodes == 1 else f"{winner} {max(r.hsdp_speedup, 1 / r.hsdp_speedup):.2f}x"
@@ -447,17 +454,16 @@ def break_even_rows() -> list[BreakEvenRow]:
 
 
 def print_break_even(rows: list[BreakEvenRow]) -> None:
-    print("\nBREAK-EVEN: inter-node GB/s per GPU above which FSDP beats HSDP (8 GPUs per node)")
-    print("| model | tokens/GPU | 2 nodes | 4 nodes | 8 nodes | 16 nodes |\n|---|---|---|---|---|---|")
+    _header("\nBREAK-EVEN: inter-node GB/s per GPU above which FSDP beats HSDP (8 GPUs per node)",
+            "model | tokens/GPU | 2 nodes | 4 nodes | 8 nodes | 16 nodes")
     for r in rows:
         cells = ["> 10000" if gbps is None else f"{gbps:.0f}" for gbps in r.gbps.values()]
         print(f"| {r.model} | {r.tokens} | {' | '.join(cells)} |")
 
 
 def print_one_host(rows: list[OneHostRow]) -> None:
-    print("\nONE HOST: FSDP over all GPUs vs HSDP 2 x (GPUs / 2), the all-reduce over NVLink too")
-    print("| model | tokens/GPU | GPUs | FSDP step ms (fwd+bwd, exposed) | HSDP step ms (fwd+bwd, exposed) |")
-    print("|---|---|---|---|---|")
+    _header("\nONE HOST: FSDP over all GPUs vs HSDP 2 x (GPUs / 2), the all-reduce over NVLink too",
+            "model | tokens/GPU | GPUs | FSDP step ms (fwd+bwd, exposed) | HSDP step ms (fwd+bwd, exposed)")
     for r in rows:
         print(f"| {r.model} | {r.tokens} | {r.gpus} | {r.fsdp.step_ms:.1f} ({r.fsdp.fwd_bwd_ms:.1f}, "
               f"{r.fsdp.exposed_ms:.1f}) | {r.hsdp.step_ms:.1f} ({r.hsdp.fwd_bwd_ms:.1f}, {r.hsdp.exposed_ms:.1f}) |")
