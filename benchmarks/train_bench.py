@@ -90,7 +90,7 @@ from torch.utils.checkpoint import (
 )
 
 import fsdp_compile
-from fsdp_compile.testing.dist import gloo_one_worker_thread
+from fsdp_compile.testing.dist import gloo_one_worker_thread, hsdp_mesh
 from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_8B, LLAMA_TINY, Llama, LlamaConfig, save_matmuls
 from fsdp_compile.testing.profile import communication_overlap, trace_steps
 
@@ -161,9 +161,9 @@ def _shard(
                        mp=_mp_fsdp_compile(**mp_options), reshard_after_forward=lambda fqn, m: m is not last)
 
 
-def _hsdp_mesh(device: torch.device) -> DeviceMesh:
+def _hsdp_mesh(device: torch.device) -> DeviceMesh | None:
     """HSDP as on two nodes: 2 replicas, each sharded over half the ranks (FSDP2's (replicate, shard) mesh)."""
-    return init_device_mesh(device.type, (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+    return hsdp_mesh((2, dist.get_world_size() // 2), device.type)
 
 
 def _compiled(model: Llama, backend_options: dict[str, Any]) -> Prepared:

@@ -5,10 +5,10 @@ once it is compiled, its backward graph (live ranges: ``fsdp_compile._liveness``
 Postcondition: the plan (``MemoryPlan``) says, per process group, dtype and kind, which slots the step
 needs, their sizes and places in the group's slab, and which slot each collective's buffer takes; it is
 logged as the structured artifact ``fsdp_compile_memory_plan``. Applied (the default), each graph's
-all-gathers write into their slots: ``all_gather_into_tensor_out`` into a view of a ``fsdp_compile::slot``
-node (``fsdp_compile._slots``); the rest of the graph is unchanged. Gradient buffers are planned, not
-applied yet (the reductions read the gradients where Inductor put them). A collective of symbolic size
-(dynamic shapes) is not planned.
+all-gathers write into their slots: ``fsdp_compile::all_gather_into_slot`` into a view of a
+``fsdp_compile::slot`` node (``fsdp_compile._slots``); the rest of the graph is unchanged. Gradient buffers
+are planned, not applied yet (the reductions read the gradients where Inductor put them). A collective of
+symbolic size (dynamic shapes) is not planned.
 
 Buffers, in the step's order (the forward's nodes, then the backward's):
 - ``gathered``: an all-gather's output. Live from the all-gather's issue to the last read of any alias of it

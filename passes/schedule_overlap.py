@@ -186,13 +186,14 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
         order = nodes
     unit_bytes = max((nbytes(w) for _, _, w, _ in gathers), default=0)
     rs_bytes = max((nbytes(rs.args[0]) for rs, _, _ in scatters if isinstance(rs.args[0], fx.Node)), default=0)
+    rs_inflight = 1 if any(stages for _, _, stages in scatters) else max_inflight_grad_reductions
     return OverlapPlan(
         order=tuple(n.name for n in order),
         gathers=tuple(ag.name for _, ag, _, _ in gathers),
         grad_reductions=tuple(rs.name for rs, _, _ in scatters),
         prefetch=prefetch,
         max_inflight_grad_reductions=max_inflight_grad_reductions,
-        extra_bytes=prefetch * unit_bytes + (max_inflight_grad_reductions - 1) * rs_bytes if valid else 0,
+        extra_bytes=prefetch * unit_bytes + (rs_inflight - 1) * rs_bytes if valid else 0,
         unscheduled=tuple(unscheduled),
         kept_original_order=not valid,
     )

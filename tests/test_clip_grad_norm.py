@@ -8,10 +8,9 @@ import math
 
 import pytest
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_compile
-from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.dist import hsdp_mesh, spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 from fsdp_compile.testing.reference import full_grads, reference_step, rel_error
 
@@ -21,8 +20,7 @@ def _clip_and_compare(
 ) -> None:
     torch.manual_seed(0)
     ref = Llama(LLAMA_TINY).double()
-    device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard")) if mesh else None
-    model = fsdp_compile.shard(copy.deepcopy(ref), units=[Block], mesh=device_mesh)
+    model = fsdp_compile.shard(copy.deepcopy(ref), units=[Block], mesh=hsdp_mesh(mesh))
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True) if compiled else model
     tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2 * world_size, 9), generator=torch.Generator().manual_seed(1))
     local = tokens[2 * rank : 2 * rank + 2]

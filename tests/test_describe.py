@@ -7,11 +7,10 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
-from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.dist import hsdp_mesh, spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 
@@ -35,8 +34,7 @@ def test_describe_counts_the_whole_model(rank: int) -> None:
 def test_describe_names_the_replicas_of_hsdp() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=3, world_size=4)
     try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-        summary = fsdp_compile.describe(fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], mesh=mesh))
+        summary = fsdp_compile.describe(fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], mesh=hsdp_mesh((2, 2))))
     finally:
         dist.destroy_process_group()
     assert (summary.world_size, summary.replicas) == (2, 2)
@@ -46,9 +44,8 @@ def test_describe_names_the_replicas_of_hsdp() -> None:
 
 def _batchnorm(rank: int, world_size: int, average: bool, mesh: tuple[int, int] | None) -> None:
     torch.manual_seed(0)
-    device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard")) if mesh else None
     model = fsdp_compile.shard(
-        nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)), units=[nn.Linear], mesh=device_mesh
+        nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2)), units=[nn.Linear], mesh=hsdp_mesh(mesh)
     )
     model(torch.randn(16, 4) + rank).sum().backward()  # each rank's own batch statistics
     mine = model[1].running_mean.clone()

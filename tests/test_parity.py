@@ -18,10 +18,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
-from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_compile
-from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.dist import hsdp_mesh, spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, save_matmuls
 from fsdp_compile.testing.reference import full_grads, reference_step, rel_error
 
@@ -139,7 +138,7 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
         param_dtype=case.param_dtype, reduce_dtype=case.dtype, exchange_grads_in_param_dtype=case.exchange
     )
     reshard = (lambda fqn, module: fqn != "") if case.keep_root_gathered else True
-    mesh = init_device_mesh(case.device, case.mesh, mesh_dim_names=("replicate", "shard")) if case.mesh else None
+    mesh = hsdp_mesh(case.mesh, case.device)
     fsdp_compile.shard(model, units=unit_classes, mp=mp, reshard_after_forward=reshard, mesh=mesh)
     if case.mesh:  # each rank holds 1/shard of the model
         units = fsdp_compile.sharded_units(model)

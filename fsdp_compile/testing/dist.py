@@ -10,10 +10,17 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_compile._internals import gloo_one_worker_thread
 
-__all__ = ["gloo_one_worker_thread", "spawn_ranks"]
+__all__ = ["gloo_one_worker_thread", "hsdp_mesh", "spawn_ranks"]
+
+
+def hsdp_mesh(shape: tuple[int, int] | None, device_type: str = "cpu") -> DeviceMesh | None:
+    """FSDP2's HSDP mesh of ``shape`` (replicas, ranks each unit is sharded over), dimensions named
+    ``("replicate", "shard")``, for ``shard(mesh=...)``; None for no shape. A collective: every rank calls it."""
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard")) if shape else None
 
 _HOST = "127.0.0.1"
 _STORE_TIMEOUT = datetime.timedelta(minutes=10)

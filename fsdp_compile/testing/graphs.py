@@ -12,12 +12,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.fx as fx
-from torch.distributed.device_mesh import init_device_mesh
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
 from fsdp_compile._internals import inductor_config
 from fsdp_compile.debug import capture_graphs
+from fsdp_compile.testing.dist import hsdp_mesh
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
 
 __all__ = ["compile_and_capture", "memory_plans"]
@@ -41,7 +41,7 @@ def compile_and_capture(
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=mesh[0] * mesh[1] if mesh else 2)
     try:
         if mesh:
-            shard_options["mesh"] = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard"))
+            shard_options["mesh"] = hsdp_mesh(mesh)
         torch.manual_seed(0)
         model = fsdp_compile.shard(Llama(cfg), units=[Block], mp=mp, **shard_options)
         fsdp_compile.set_requires_gradient_sync(model, gradient_sync)

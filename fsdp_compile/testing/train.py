@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
 
 import fsdp_compile
+from fsdp_compile.testing.dist import hsdp_mesh
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 __all__ = ["train_step", "trained"]
@@ -19,8 +19,7 @@ def trained(
     of shape ``mesh`` if given), compiled, and trained ``steps`` steps with AdamW: (model, compiled model,
     optimizer)."""
     torch.manual_seed(seed)
-    device_mesh = init_device_mesh("cpu", mesh, mesh_dim_names=("replicate", "shard")) if mesh else None
-    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], mesh=device_mesh)
+    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], mesh=hsdp_mesh(mesh))
     compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(steps):
