@@ -10,6 +10,8 @@
 #   OUT=/tmp/out BENCH=0 TESTS=0 CONTENTION=1 bash benchmarks/gpu.sh   # gemm_contention.py only
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=1024 REPEATS=3 bash benchmarks/gpu.sh   # 4 GPUs
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=4096 SYSTEMS="no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile fsdp2_compile_hsdp fsdp_compile_hsdp" bash benchmarks/gpu.sh   # HSDP 2 x 2 beside FSDP over 4
+#   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=8192 TAG=8b SYSTEMS="fsdp2_compile fsdp_compile" BENCH_ARGS="--model 8.8b --checkpoint selective --seq-cap 8192" bash benchmarks/gpu.sh
+# On 4 GPUs the 2-GPU tests run on two GPU pairs side by side, then the 4-GPU tests (test ids with "4gpus").
 # SYSTEMS defaults to the headline's: the no-communication bound, FSDP2 eager, FSDP2 + compile, fsdp_compile.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -29,19 +31,33 @@ python3 -m pip install --no-deps --no-build-isolation -q -e . >"$OUT/install.log
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; python3 -c \
   "import torch; print('torch', torch.__version__, 'nccl', torch.cuda.nccl.version())"; } | tee "$OUT/env.log"
 
+gpu_tests() {  # gpu_tests LOG EXTRA_K [FILES...]: the GPU tests (pytest -k "$PYTEST_K and EXTRA_K") of FILES
+  local log=$1 k=${PYTEST_K:+($PYTEST_K) and }$2; shift 2
+  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider -k "$k" "$@" >"$log" 2>&1
+  local rc=$?; [ $rc = 0 ] || [ $rc = 5 ] || { echo "GPU tests exit $rc in $log (124: killed at TEST_TIMEOUT)"; return 1; }
+}
 if [ "${TESTS:-1}" = 1 ]; then
-  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest -q -s -rs -m gpu -p no:cacheprovider ${PYTEST_K:+-k "$PYTEST_K"} tests \
-    >"$OUT/pytest_gpu.log" 2>&1
-  rc=$?; [ $rc = 0 ] || { echo "GPU tests exit $rc (124: killed at TEST_TIMEOUT)"; status=1; }
+  if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
+    # Four GPUs: the 2-GPU tests on two pairs side by side (split by file, about even), then the 4-GPU ones.
+    CUDA_VISIBLE_DEVICES=0,1 gpu_tests "$OUT/pytest_gpu_a.log" "not 4gpus" tests/test_parity.py tests/test_gpu_overlap.py &
+    a=$!
+    CUDA_VISIBLE_DEVICES=2,3 gpu_tests "$OUT/pytest_gpu_b.log" "not 4gpus" tests/test_gpu_exit.py tests/test_lowering.py \
+      tests/test_rank_consistency.py tests/test_recompiles.py || status=1
+    wait $a || status=1
+    gpu_tests "$OUT/pytest_gpu_4.log" "4gpus" tests || status=1
+    cat "$OUT"/pytest_gpu_a.log "$OUT"/pytest_gpu_b.log "$OUT"/pytest_gpu_4.log >"$OUT/pytest_gpu.log"
+  else
+    gpu_tests "$OUT/pytest_gpu.log" "not 4gpus" tests || status=1
+  fi
 fi
 if [ "${CONTENTION:-0}" = 1 ]; then
   timeout 300 torchrun --nproc_per_node "$NPROC" benchmarks/gemm_contention.py >"$OUT/contention_$NPROC.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "gemm_contention exit $rc"; status=1; }
 fi
-tag=${NPROC}gpu_$(echo "$TOKENS" | tr ' ' '_')
+tag=${TAG:-${NPROC}gpu_$(echo "$TOKENS" | tr ' ' '_')}
 if [ "${BENCH:-1}" = 1 ]; then
   torchrun --nproc_per_node "$NPROC" benchmarks/train_bench.py --tokens $TOKENS --repeats "$REPEATS" --systems $SYSTEMS \
-    --out "$OUT/bench_$tag.json" >"$OUT/bench_$tag.log" 2>&1
+    ${BENCH_ARGS:-} --out "$OUT/bench_$tag.json" >"$OUT/bench_$tag.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "train_bench exit $rc (1: a guard failed, see the log)"; status=1; }
 fi
 

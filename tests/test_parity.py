@@ -343,8 +343,11 @@ def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype, opti
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs (NCCL)")
-@pytest.mark.parametrize("mesh", [None, (2, 2)], ids=["fsdp-4", "hsdp-2x2"])
-def test_parity_nccl_four_gpus(mesh: tuple[int, int] | None) -> None:
-    spawn_ranks(
-        _train_and_compare, 4, Case("inductor", torch.float64, torch.float64, device="cuda", mesh=mesh), backend="nccl"
-    )
+@pytest.mark.parametrize(
+    "mesh, options",
+    [(None, {}), (None, {"all_gather": "copy_engine"}), ((2, 2), {}), ((2, 2), {"all_gather": "copy_engine"})],
+    ids=["fsdp-4gpus", "fsdp-copy_engine-4gpus", "hsdp-2x2-4gpus", "hsdp-2x2-copy_engine-4gpus"],
+)
+def test_parity_nccl_four_gpus(mesh: tuple[int, int] | None, options: dict) -> None:
+    case = Case("inductor", torch.float64, torch.float64, device="cuda", mesh=mesh, **options)
+    spawn_ranks(_train_and_compare, 4, case, backend="nccl")
