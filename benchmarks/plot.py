@@ -43,7 +43,7 @@ def main() -> None:
         y = [row.step_ms for _, row in rows]
         err = [[row.step_ms - row.step_range[0] for _, row in rows], [row.step_range[1] - row.step_ms for _, row in rows]]
         ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=system)
-    tight = [(p.tokens_per_gpu, p.tight_bound_ms) for p in sweep if p.tight_bound_ms is not None]
+    tight = [(p.tokens_per_gpu, p.tight_bound_ms()) for p in sweep if p.tight_bound_ms() is not None]
     if tight:
         ax.plot([t for t, _ in tight], [ms for _, ms in tight], "k--", label="tight bound (local fwd+bwd + 1/world optimizer)")
     ax.set(xscale="log", yscale="log", xlabel="tokens per GPU", ylabel="step time (ms, median over runs)", title=title)

@@ -73,6 +73,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import (
@@ -94,7 +95,9 @@ from fsdp_compile.testing.dist import gloo_one_worker_thread, hsdp_mesh
 from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_8B, LLAMA_TINY, Llama, LlamaConfig, save_matmuls
 from fsdp_compile.testing.profile import communication_overlap, trace_steps
 
-from report import BOUNDS, GRAD_RTOL, LOSS_RTOL, Result, check_gradients, check_losses, table  # benchmarks/
+from report import (  # benchmarks/
+    BOUNDS, GRAD_RTOL, LOSS_RTOL, REFERENCES, Result, check_gradients, check_losses, reference, table,
+)
 
 MODELS = {
     "0.95b": LLAMA_0_95B, "8.8b": LLAMA_8B, "tiny": LLAMA_TINY,
@@ -184,9 +187,25 @@ def no_comm_bound(model: Llama, device: torch.device, **backend_options: Any) ->
     return _compiled(model, backend_options)
 
 
+def _checkpoint_inside(model: Llama) -> None:
+    """torchtitan's order for compiled blocks: each block checkpoint-wrapped, then compiled, so Dynamo traces
+    the checkpoint and its policy. (The model's own ``checkpoint(block)`` around a compiled block re-runs the
+    whole compiled forward in backward: selective checkpointing would silently become full.)"""
+    cfg = model.cfg
+    if not cfg.checkpoint_blocks:
+        return
+    policy = cfg.checkpoint_policy
+    context = {"context_fn": partial(create_selective_checkpoint_contexts, policy)} if policy else {}
+    for i, layer in enumerate(model.layers):
+        model.layers.register_module(str(i), checkpoint_wrapper(layer, preserve_rng_state=False, **context))
+    model.cfg = dataclasses.replace(cfg, checkpoint_blocks=False, checkpoint_policy=None)
+
+
 def fsdp2_eager(model: Llama, device: torch.device, compile_blocks: bool = False, hsdp: bool = False) -> Prepared:
     policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE)
     mesh = _hsdp_mesh(device) if hsdp else None
+    if compile_blocks:
+        _checkpoint_inside(model)
     for i, layer in enumerate(model.layers):
         if compile_blocks:
             model.layers.register_module(str(i), torch.compile(layer, fullgraph=True))
@@ -311,7 +330,8 @@ def _grad_norms(model: nn.Module, replicas: int) -> dict[str, float]:
         if isinstance(grad, DTensor):
             assert sum(p.is_shard() for p in grad.placements) == 1, (name, grad.placements)
             grad = grad.to_local()
-        names.append(re.sub(r"parametrizations\.(\w+)\.original", r"\1", name.replace("_orig_mod.", "")))
+        name = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
+        names.append(re.sub(r"parametrizations\.(\w+)\.original", r"\1", name))
         squares.append(grad.detach().float().pow(2).sum())
     total = torch.stack(squares)
     dist.all_reduce(total)
@@ -475,8 +495,8 @@ def main() -> None:
     parser.add_argument("--out", help="write the JSON results to this file")
     parser.add_argument("--trace-dir", help="keep each system's profiler trace (CPU and CUDA) here, per rank")
     args = parser.parse_args()
-    if args.systems and ("fsdp2_eager" not in args.systems or "no_comm_bound" not in args.systems):
-        parser.error("--systems must include fsdp2_eager and no_comm_bound (the tables' references)")
+    if args.systems and not set(REFERENCES) & set(args.systems):
+        parser.error(f"--systems must include one of {', '.join(REFERENCES)} (the guards' reference)")
     if args.split_steps < 1 or args.repeats < 1 or not 0 < args.warmup < args.steps:
         parser.error("--split-steps and --repeats must be >= 1, and 0 < --warmup < --steps")
     cfg = dataclasses.replace(MODELS[args.model], **CHECKPOINTING[args.checkpoint])
@@ -511,9 +531,10 @@ def main() -> None:
         print(f"\n## {meta}")
         for line in table(results):
             print(line)
-        print(f"\nloss guard (all systems vs fsdp2_eager, rtol {LOSS_RTOL}; bounds at step 0 only): "
+        ref = reference(r.system for r in results)
+        print(f"\nloss guard (all systems vs {ref}, rtol {LOSS_RTOL}; bounds at step 0 only): "
               + ("; ".join(loss_problems) or "OK"))
-        print(f"gradient guard (per-parameter gradient norms after step 0 vs fsdp2_eager, rtol {GRAD_RTOL}; "
+        print(f"gradient guard (per-parameter gradient norms after step 0 vs {ref}, rtol {GRAD_RTOL}; "
               f"{', '.join(BOUNDS)} not compared: no averaging over ranks): " + ("; ".join(grad_problems) or "OK"))
         _write(args.out, meta, results)
     dist.destroy_process_group()
