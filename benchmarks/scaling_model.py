@@ -288,19 +288,26 @@ def _median(rows: list[dict[str, Any]], key: str) -> float:
 
 
 def check_rows() -> list[CheckRow]:
-    """Every 2- and 4-GPU run of the 0.95B model, and the 8.8B on 4 GPUs at the 0.95B compute rate."""
+    """Every 2- and 4-GPU run of the 0.95B model (FSDP, and HSDP 2 x 2 on one host where the run has it), and
+    the 8.8B on 4 GPUs at the 0.95B compute rate."""
     rows = []
     for path in sorted(RESULTS.glob("bench_[24]gpu_*.json")):
         data = json.loads(path.read_text())
         gpus = data["meta"]["world_size"]
         for tokens in sorted({r["tokens_per_gpu"] for r in data["results"]}):
             bound = [r for r in data["results"] if r["tokens_per_gpu"] == tokens and r["system"] == "no_comm_bound"]
-            ours = [r for r in data["results"] if r["tokens_per_gpu"] == tokens and r["system"] == "fsdp_compile"]
             fwd_bwd, shape = _median(bound, "fwd_bwd_ms"), replace(LLAMA_0_95B, seq=bound[0]["seq"])
-            rows.append(CheckRow(
-                f"0.95B run {path.stem.rsplit('run', 1)[-1]}", gpus, tokens, len(ours), fwd_bwd,
-                _median(ours, "median_step_ms"), _median(ours, "fwd_bwd_ms"), _median(ours, "exposed_comm_ms"),
-                _median(ours, "cpu_ms"), predict(shape, Topology(gpus, "fsdp"), Network(), fwd_bwd)))
+            for system, label, topo, net in (
+                ("fsdp_compile", "", Topology(gpus, "fsdp"), Network()),
+                ("fsdp_compile_hsdp", " HSDP", Topology(gpus, "hsdp", gpus_per_node=gpus // 2), Network(INTRA_NODE_GBPS)),
+            ):
+                ours = [r for r in data["results"] if r["tokens_per_gpu"] == tokens and r["system"] == system]
+                if not ours:
+                    continue
+                rows.append(CheckRow(
+                    f"0.95B run {path.stem.rsplit('run', 1)[-1]}{label}", gpus, tokens, len(ours), fwd_bwd,
+                    _median(ours, "median_step_ms"), _median(ours, "fwd_bwd_ms"), _median(ours, "exposed_comm_ms"),
+                    _median(ours, "cpu_ms"), predict(shape, topo, net, fwd_bwd)))
     fwd_bwd = fwd_bwd_ms_at(LLAMA_8B, 4096, rate_0_95b())
     rows.append(CheckRow("8.8B, 0.95B rate", 4, 4096, 1, fwd_bwd, measured_8b_step_ms(), None, None, None,
                          predict(LLAMA_8B, Topology(4, "fsdp"), Network(), fwd_bwd)))
