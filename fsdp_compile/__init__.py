@@ -19,6 +19,9 @@ from fsdp_compile._state_dict import (
 from fsdp_compile._slots import slab_bytes
 from fsdp_compile._unit import sharded_units
 from fsdp_compile.config import BackendConfig, MixedPrecision
+from fsdp_compile._dump import from_environment as _dump_from_environment
+
+_dump_from_environment()  # FSDP_COMPILE_DUMP=DIR: a log handler, so that the first graph's records are kept too
 
 __all__ = [
     "BackendConfig",

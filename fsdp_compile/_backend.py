@@ -19,9 +19,10 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 
-from fsdp_compile import _internals, debug
+from fsdp_compile import _dump, _internals, debug
 from fsdp_compile._agree import agree
 from fsdp_compile._apply_shard import unsharded_parameter_message
+from fsdp_compile._describe import units_json
 from fsdp_compile._internals import PassPipeline, counters, inductor_config, lifetime
 from fsdp_compile.config import BackendConfig
 from fsdp_compile.lowering.lower_to_symm_mem import (
@@ -63,6 +64,8 @@ def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
     overlap schedule runs, no peak-memory reordering after it (that reordering would issue each all-gather
     at its use again); CUDA graphs when asked for."""
     settings: dict[str, Any] = {"joint_custom_pre_pass": ReshardAfterForward()}
+    if _dump.active():  # a graph from Inductor's caches would run no pass and log nothing to dump
+        settings["force_disable_caches"] = True
     if config.cudagraphs:
         settings["triton.cudagraphs"] = True
     settings["post_grad_custom_post_pass"] = _post_grad_passes(config)
@@ -95,13 +98,13 @@ def _user_settings(config: BackendConfig, mode: str | None, options: dict[str, A
     return settings
 
 
-def _inductor_inner_compile(settings: dict[str, Any]) -> Callable[..., Any]:
+def _inductor_inner_compile(settings: dict[str, Any], dump: Any) -> Callable[..., Any]:
     """compile_fx_inner for both graphs. The backward graph is compiled lazily, at the first backward,
-    outside ``_compile``'s settings, so they are patched in again here."""
+    outside ``_compile``'s settings and dump folder, so they are patched in again here."""
 
     def inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         debug.record("backward" if _internals.is_backward_compile(kwargs) else "forward", gm)
-        with inductor_config.patch(settings):
+        with inductor_config.patch(settings), _dump.dumping(dump):  # backward: compiled at its first call
             return _internals.compile_fx_inner(gm, example_inputs, **kwargs)
 
     return inner_compile
@@ -109,8 +112,9 @@ def _inductor_inner_compile(settings: dict[str, Any]) -> Callable[..., Any]:
 
 def _eager_compiler(stage: debug.Stage, config: BackendConfig) -> Callable[..., Any]:
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
-        _post_grad_passes(config)(gm.graph)
         debug.record(stage, gm)
+        with _dump.dumping(config.dump):
+            _post_grad_passes(config)(gm.graph)
         return _internals.make_boxed_func(gm.forward)
 
     return compiler
@@ -154,10 +158,13 @@ def _agree_on_gathers(plan: CollectivesPlan, unit_inputs: UnitInputsPlan) -> Non
 
 
 def _insert_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CollectivesPlan:
+    debug.record("dynamo", gm)
     _check_parameters_sharded(gm, example_inputs)
     unit_inputs = plan_unit_inputs(gm, example_inputs)
     plan = plan_collectives(gm, unit_inputs)
+    debug.artifact("units", lambda: units_json(unit_inputs.units.values()))
     debug.artifact("collectives_plan", plan.to_json)
+    debug.graph_artifact("insert_collectives_before", gm)
     _agree_on_gathers(plan, unit_inputs)
 
     def insert(graph: fx.Graph) -> CollectivesPlan:
@@ -169,8 +176,8 @@ def _insert_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Co
             "torch._inductor.config.disabled_passes names fsdp_compile.insert_collectives: it cannot be switched off"
         )
     counters["fsdp_compile"]["all_gathers"] += len(plan.gathers)
+    debug.graph_artifact("insert_collectives_after", gm)
     log.info("fsdp_compile: %d units gathered in a graph of %d nodes", len(plan.gathers), len(gm.graph.nodes))
-    debug.record("dynamo", gm)
     return plan
 
 
@@ -182,7 +189,14 @@ def _compile(
     mode: str | None = None,
     options: dict[str, Any] | None = None,
 ) -> Callable[..., Any]:
-    settings = {**_user_settings(config, mode, options), **_inductor_settings(config)}
+    with _dump.dumping(config.dump):
+        return _compile_dumped(gm, example_inputs, config, _user_settings(config, mode, options))
+
+
+def _compile_dumped(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig, user_settings: dict[str, Any]
+) -> Callable[..., Any]:
+    settings = {**user_settings, **_inductor_settings(config)}
     plan = _insert_collectives(gm, example_inputs)
     if settings.get("triton.cudagraphs") and not lifetime.before_destroy("cuda_graphs", lifetime.release_cuda_graphs):
         debug.degraded(
@@ -202,7 +216,7 @@ def _compile(
     # The passes are also patched around compile_fx so that they are part of the cache keys (FX graph and
     # AOTAutograd caches): a graph compiled with other options is never reused.
     with inductor_config.patch(settings):
-        return _internals.compile_fx(gm, example_inputs, inner_compile=_inductor_inner_compile(settings))
+        return _internals.compile_fx(gm, example_inputs, inner_compile=_inductor_inner_compile(settings, config.dump))
 
 
 def backend(**options: Any) -> Callable[..., Any]:

@@ -5,13 +5,14 @@ are not sharded, in sync across ranks."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_compile._unit import sharded_units
+from fsdp_compile._unit import UnitState, sharded_units
 
 __all__ = ["ShardingSummary", "UnitSummary", "describe", "sync_buffers"]
 
@@ -62,22 +63,31 @@ class ShardingSummary:
         return "\n".join(lines)
 
 
+def _summary(u: UnitState) -> UnitSummary:
+    return UnitSummary(
+        fqn=u.layout.fqn,
+        num_parameters=sum(slot.numel for slot in u.layout.slots),
+        padded_numel=u.layout.padded_numel,
+        shard_numel=u.layout.shard_numel,
+        param_dtype=str(u.param_dtype),
+        reduce_dtype=str(u.reduce_dtype),
+        grad_reduction=u.grad_reduction,
+        reshard_after_forward=u.reshard_after_forward,
+    )
+
+
+def units_json(units: Iterable[UnitState]) -> str:
+    """The unit table of a compiled graph (each unit once, in the order given) as JSON: the artifact
+    ``fsdp_compile_units``, which ``python -m fsdp_compile explain`` reads."""
+    unique = {id(u): u for u in units}.values()
+    return json.dumps([{**asdict(_summary(u)), "world_size": u.world_size, "replicas": u.replicas,
+                        "parameters": [name for slot in u.layout.slots for name in slot.names]} for u in unique])
+
+
 def describe(module: nn.Module) -> ShardingSummary:
     """The units of a module ``shard()`` has sharded, with their sizes, and the full parameter count."""
     units = sharded_units(module)
-    summaries = tuple(
-        UnitSummary(
-            fqn=u.layout.fqn,
-            num_parameters=sum(slot.numel for slot in u.layout.slots),
-            padded_numel=u.layout.padded_numel,
-            shard_numel=u.layout.shard_numel,
-            param_dtype=str(u.param_dtype),
-            reduce_dtype=str(u.reduce_dtype),
-            grad_reduction=u.grad_reduction,
-            reshard_after_forward=u.reshard_after_forward,
-        )
-        for u in units
-    )
+    summaries = tuple(_summary(u) for u in units)
     return ShardingSummary(
         world_size=units[0].world_size,
         replicas=units[0].replicas,

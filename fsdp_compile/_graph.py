@@ -105,11 +105,14 @@ class _Plan(Protocol):
 
 class GraphPass(_internals.CustomGraphPass):  # type: ignore[misc, valid-type]
     """One pass as Inductor runs custom passes: ``plan`` (pure), then ``apply`` (mutates), inside Inductor's
-    ``GraphTransformObserver`` (so a graph dump shows it before and after); the plan as the structured
-    artifact ``fsdp_compile_<name>_plan``; one log line. ``uuid()`` hashes the pass's module, this one and
+    ``GraphTransformObserver``; the graph before and after and the plan as the structured artifacts
+    ``fsdp_compile_<name>_before``, ``_after`` and ``_plan`` (the dump folder's files); one log line.
+    ``uuid()`` hashes the pass's module, this one and
     ``options()``, so the FX graph cache keeps working and never reuses a graph another version built."""
 
     name: ClassVar[str]
+    stage: ClassVar[debug.Stage | None] = None
+    """The stage this pass always runs in, for the dump (None: the stage the backend last recorded)."""
 
     def plan(self, graph: fx.Graph) -> Any:
         raise NotImplementedError
@@ -121,10 +124,15 @@ class GraphPass(_internals.CustomGraphPass):  # type: ignore[misc, valid-type]
         return ""
 
     def __call__(self, graph: fx.Graph) -> None:
-        plan = _internals.run_observed(graph_module(graph), f"fsdp_compile.{self.name}", self._plan_and_apply)
+        gm = graph_module(graph)
+        if self.stage is not None:
+            debug.set_stage(self.stage)
+        debug.graph_artifact(f"{self.name}_before", gm)
+        plan = _internals.run_observed(gm, f"fsdp_compile.{self.name}", self._plan_and_apply)
         if plan is None:  # switched off by torch._inductor.config.disabled_passes
             return
         debug.artifact(f"{self.name}_plan", plan.to_json)
+        debug.graph_artifact(f"{self.name}_after", gm)
         log.info("%s: %s", self.name, plan.summary())
 
     def _plan_and_apply(self, graph: fx.Graph) -> _Plan:

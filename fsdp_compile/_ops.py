@@ -32,6 +32,7 @@ from fsdp_compile._internals import c10d_functional as _c10d
 __all__ = [
     "GradReduction",
     "KEEP_GATHERED",
+    "UNIT",
     "all_gather_nograd",
     "all_reduce_avg",
     "all_to_all_avg",
@@ -47,6 +48,11 @@ in the gradient's own dtype followed by each rank's sum of its parts in ``reduce
 KEEP_GATHERED = "fsdp_compile.keep_gathered"
 """Key in a ``cast_all_gather_differentiable`` node's ``meta["custom"]`` (which tracing copies onto the nodes
 it becomes): the unit is not resharded after forward."""
+
+
+UNIT = "fsdp_compile.unit"
+"""Key in ``meta["custom"]`` of the nodes ``insert_collectives`` adds (tracing copies it onto the collectives
+they become, in forward and backward): the unit's fully qualified name, for graph dumps and plans."""
 
 
 def all_gather_nograd(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:

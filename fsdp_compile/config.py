@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import InitVar, dataclass
 from typing import Literal
@@ -86,6 +87,12 @@ class BackendConfig:
     read a step's outputs (e.g. ``loss.item()``) before the next step, which reuses their memory. Graphs
     on CPU tensors run without (Inductor logs why). Needs ``compiler="inductor"``."""
 
+    dump: str | os.PathLike[str] | None = None
+    """A folder to write what each compile did into (the passes' graphs before and after, their plans, the
+    unit table, the memory plan, Inductor's output code; ``fsdp_compile/_dump.py`` says where), for
+    ``python -m fsdp_compile explain DIR``. The environment variable ``FSDP_COMPILE_DUMP=DIR`` does the same
+    for every compile of the process. While dumping, Inductor's caches are skipped."""
+
     max_inflight_reduce_scatters: InitVar[int | None] = None
     """Deprecated name of ``max_inflight_grad_reductions`` (it counts all-to-alls too); still accepted,
     with a FutureWarning."""
@@ -111,6 +118,8 @@ class BackendConfig:
         _check_int(
             "max_inflight_grad_reductions", self.max_inflight_grad_reductions, minimum=1, meaning="reductions in flight"
         )
+        if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):
+            raise TypeError(f"dump must be a folder (a str or os.PathLike), got {self.dump!r}")
         if self.cudagraphs and self.compiler != "inductor":
             raise ValueError(
                 "cudagraphs=True needs compiler='inductor' (CUDA graphs are an Inductor feature), "

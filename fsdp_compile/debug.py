@@ -31,6 +31,7 @@ Passes run when Inductor compiles a graph: a graph served from Inductor's FX gra
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -39,12 +40,15 @@ from typing import Literal
 import torch.fx as fx
 
 from fsdp_compile._internals import counters, inductor_config, trace_structured
+from fsdp_compile._ops import UNIT
 
-__all__ = ["CapturedGraph", "artifact", "capture_graphs", "degraded"]
+__all__ = ["CapturedGraph", "artifact", "capture_graphs", "current_stage", "degraded", "graph_artifact", "set_stage"]
 
 log = logging.getLogger(__name__)
 
-Stage = Literal["dynamo", "forward", "backward"]
+Stage = Literal["dynamo", "joint", "forward", "backward"]
+"""Where a graph is in the pipeline: Dynamo's graph, AOTAutograd's joint graph (before partitioning; never
+captured), the forward and backward graphs."""
 
 
 @dataclass(frozen=True)
@@ -67,15 +71,47 @@ def capture_graphs() -> Iterator[list[CapturedGraph]]:
         _active.remove(graphs)
 
 
+_stage: Stage = "dynamo"
+_COLLECTIVE = re.compile("all_gather|reduce_scatter|all_to_all|all_reduce")
+
+
 def record(stage: Stage, gm: fx.GraphModule) -> None:
+    """``gm`` is the graph of ``stage`` from now on (its passes run next): captured, and the stage the
+    structured artifacts logged meanwhile belong to (:func:`current_stage`, for the dump folder)."""
+    set_stage(stage)
     for graphs in _active:
         graphs.append(CapturedGraph(stage=stage, gm=gm))
 
 
-def artifact(name: str, payload: Callable[[], str]) -> None:
-    """A JSON plan as a structured artifact ``fsdp_compile_<name>`` (tlparse shows it under TORCH_TRACE);
-    ``payload`` runs only when structured tracing is on."""
-    trace_structured("artifact", metadata_fn=lambda: {"name": f"fsdp_compile_{name}", "encoding": "json"}, payload_fn=payload)
+def set_stage(stage: Stage) -> None:
+    """The structured artifacts logged from now on belong to ``stage`` (without capturing a graph)."""
+    global _stage
+    _stage = stage
+
+
+def current_stage() -> Stage:
+    return _stage
+
+
+def artifact(name: str, payload: Callable[[], str], encoding: Literal["json", "string"] = "json") -> None:
+    """A plan (JSON) or a graph's code (string) as a structured artifact ``fsdp_compile_<name>`` (tlparse
+    shows it under TORCH_TRACE; ``FSDP_COMPILE_DUMP`` writes it to a file); ``payload`` runs only when
+    structured tracing is on."""
+    trace_structured(
+        "artifact", metadata_fn=lambda: {"name": f"fsdp_compile_{name}", "encoding": encoding}, payload_fn=payload
+    )
+
+
+def graph_artifact(name: str, gm: fx.GraphModule) -> None:
+    """``gm``'s code, with shapes, dtypes and each collective's unit, as the artifact ``fsdp_compile_<name>``."""
+
+    def readable() -> str:
+        units = [f"#   {n.name}: {n.meta['custom'][UNIT] or '<root>'}" for n in gm.graph.nodes
+                 if UNIT in n.meta.get("custom", {}) and n.op == "call_function" and _COLLECTIVE.search(str(n.target))]
+        code = gm.print_readable(print_output=False, include_stride=False, include_device=True)
+        return "\n".join(["# The unit of each collective:", *units, "", code]) if units else code
+
+    artifact(name, readable, encoding="string")
 
 
 _said: set[str] = set()

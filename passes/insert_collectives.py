@@ -34,6 +34,7 @@ from fsdp_compile._graph import lint_and_recompile, plan_json
 from fsdp_compile._layout import ParamSlot
 from fsdp_compile._ops import (
     KEEP_GATHERED,
+    UNIT,
     GradReduction,
     cast_all_gather_differentiable,
     unshard,
@@ -182,14 +183,13 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
                     gather.replicate_group_name,
                 ),
             )
-            full.meta["fsdp_compile.unit"] = gather.unit
-            if not gather.reshard_after_forward:
-                full.meta["custom"] = {**full.meta.get("custom", {}), KEEP_GATHERED: True}
+            keep = {KEEP_GATHERED: True} if not gather.reshard_after_forward else {}
+            full.meta["custom"] = {**full.meta.get("custom", {}), UNIT: gather.unit, **keep}
         for view, marker in zip(gather.views, markers):
             with graph.inserting_before(marker):
                 narrowed = _add(graph, "call_function", torch.narrow, (full, 0, view.slot.offset, view.slot.numel))
                 param = _add(graph, "call_method", "view", (narrowed, list(view.slot.shape)))
-            param.meta["fsdp_compile.unit"] = gather.unit
+            param.meta["custom"] = {**param.meta.get("custom", {}), UNIT: gather.unit}
             marker.replace_all_uses_with(param)
             graph.erase_node(marker)
     leftover = [n.format_node() for _, g in iter_graphs(gm) for n in g.graph.nodes if is_marker(n)]

@@ -80,5 +80,6 @@ class ReshardAfterForward(GraphPass):
     """The pass as an Inductor ``joint_custom_pre_pass`` (and before the partitioner under aot_eager)."""
 
     name = "reshard_after_forward"
+    stage = "joint"
     plan = staticmethod(plan_reshard)
     apply = staticmethod(apply_reshard)

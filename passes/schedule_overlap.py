@@ -36,7 +36,8 @@ Example (forward, prefetch 1)::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import torch.fx as fx
 
@@ -52,6 +53,7 @@ from fsdp_compile._graph import (
     producers,
     wait_of,
 )
+from fsdp_compile._ops import UNIT
 from fsdp_compile.debug import degraded
 
 __all__ = ["OverlapPlan", "ScheduleOverlap", "apply_overlap", "plan_overlap"]
@@ -74,6 +76,8 @@ class OverlapPlan:
     """Collectives left where they are, (name, why): the pattern above does not match them."""
     kept_original_order: bool = False
     """No valid order was found: the graph keeps its order (nothing is prefetched or overlapped)."""
+    units: Mapping[str, str] = field(default_factory=dict)
+    """The unit of each scheduled collective (all-gathers, gradient reductions), by name."""
 
     def to_json(self) -> str:
         return plan_json(self, omit=("order",))
@@ -196,6 +200,8 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
         extra_bytes=prefetch * unit_bytes + (rs_inflight - 1) * rs_bytes if valid else 0,
         unscheduled=tuple(unscheduled),
         kept_original_order=not valid,
+        units={n.name: n.meta.get("custom", {}).get(UNIT, "?") for n in (
+            *(ag for _, ag, _, _ in gathers), *(rs for rs, _, _ in scatters))},
     )
 
 

@@ -36,7 +36,7 @@ __all__ = [
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
     "list_mode_options", "lower_with_persistent_output", "make_boxed_func", "outside_fake_mode", "placeholder_source",
     "min_cut_rematerialization_partition", "register_work", "run_observed",
-    "set_optimizer_state_dict", "sharded_tensor", "step_op", "trace_structured",
+    "set_optimizer_state_dict", "sharded_tensor", "step_op", "trace_log", "trace_structured",
 ]
 
 
@@ -79,6 +79,8 @@ compile_fx_inner: Callable[..., Any] = _need("torch._inductor.compile_fx", "comp
 CustomGraphPass: type = _need("torch._inductor.custom_graph_pass", "CustomGraphPass")
 _get_hash_for_files: Callable[..., bytes] = _need("torch._inductor.custom_graph_pass", "get_hash_for_files")
 trace_structured: Callable[..., None] = _need("torch._logging", "trace_structured")
+trace_log: Any = _need("torch._logging._internal", "trace_log")
+"""The structured-trace logger (TORCH_TRACE's): a handler on it receives every structured record."""
 _OpOverload: type = _need("torch._ops", "OpOverload")
 outside_fake_mode: Callable[[], Any] = _need("torch._subclasses.fake_tensor", "unset_fake_temporarily")
 """Context manager: real tensors, even inside a compile (whose passes run under a FakeTensorMode)."""

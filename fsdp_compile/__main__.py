@@ -1,0 +1,41 @@
+"""``python -m fsdp_compile explain DIR [--trace FILE]`` (also the console script ``fsdp-compile``): what the
+compiler did, from the folder ``FSDP_COMPILE_DUMP=DIR`` wrote (:mod:`fsdp_compile.explain`)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from fsdp_compile import explain
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m fsdp_compile", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    command = commands.add_parser("explain", help=explain.__doc__.split("\n\n")[0])
+    command.add_argument("dump", help="the folder FSDP_COMPILE_DUMP (or backend(dump=...)) wrote")
+    command.add_argument("--trace", help="a profiler's Chrome trace (torch.profiler's export_chrome_trace)")
+    args = parser.parse_args(argv)
+    try:
+        dump = explain.load(args.dump)
+    except FileNotFoundError as e:
+        print(f"fsdp_compile explain: {e}", file=sys.stderr)
+        return 2
+    if not any(dump.graphs.values()):
+        print(f"fsdp_compile explain: {args.dump} holds no compiled graph with FSDP units: was the model sharded "
+              "with fsdp_compile.shard() and compiled with the fsdp_compile backend?", file=sys.stderr)
+        return 2
+    if args.trace and not os.path.exists(args.trace):
+        print(f"fsdp_compile explain: no trace file {args.trace}", file=sys.stderr)
+        return 2
+    print(explain.report(dump, args.trace))
+    for name, svg in explain.pictures(dump, args.trace).items():
+        (dump.root / name).write_text(svg)
+        print(f"wrote {dump.root / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

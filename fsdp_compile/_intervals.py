@@ -1,0 +1,35 @@
+"""Time intervals (start, end), for reading profiler traces: their union, total length and overlap."""
+
+from __future__ import annotations
+
+__all__ = ["Intervals", "intersect", "length", "union"]
+
+Intervals = list[tuple[float, float]]
+
+
+def union(intervals: Intervals) -> Intervals:
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def length(intervals: Intervals) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def intersect(xs: Intervals, ys: Intervals) -> Intervals:
+    """The overlap of two sorted, disjoint interval lists."""
+    out, i, j = [], 0, 0
+    while i < len(xs) and j < len(ys):
+        start, end = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        if start < end:
+            out.append((start, end))
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return out

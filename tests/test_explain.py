@@ -1,0 +1,162 @@
+"""The dump folder (``FSDP_COMPILE_DUMP`` / ``backend(dump=...)``) and ``python -m fsdp_compile explain``: the
+files of each rank and graph, what explain prints, its pictures, a profiler trace, bad input."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import fsdp_compile
+from fsdp_compile import _dump, explain
+from fsdp_compile.testing.graphs import compile_and_capture
+from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+
+SVG = "{http://www.w3.org/2000/svg}"
+STAGE_FILES = [
+    "dynamo_dynamo_output_graph.py", "dynamo_units.json", "dynamo_collectives_plan.json",
+    "dynamo_insert_collectives_before.py", "dynamo_insert_collectives_after.py",
+    "joint_reshard_after_forward_before.py",
+    "joint_reshard_after_forward_plan.json", "joint_reshard_after_forward_after.py",
+    *(f"{stage}_{name}" for stage in ("forward", "backward") for name in (
+        "schedule_overlap_before.py", "schedule_overlap_plan.json", "schedule_overlap_after.py",
+        "memory_before.py", "memory_plan.json", "memory_after.py", "inductor_post_grad_graph.py",
+        "inductor_output_code.py")),
+]
+"""The files of one compiled graph, in the order they are logged (each numbered NN_ in front)."""
+
+
+def _compile_and_trace(root: Path, rank: int) -> None:
+    """As ``rank`` of 2 (fake process group): compile a tiny sharded Llama (the dump on, as
+    ``FSDP_COMPILE_DUMP`` turns it on), train a step, then trace one more step with the CPU profiler into
+    ``root/trace_rank<rank>.json``."""
+    torch._dynamo.reset()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+        compiled = torch.compile(model, backend="fsdp_compile", fullgraph=True)
+        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
+        compiled(tokens, tokens).backward()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            compiled(tokens, tokens).backward()
+        prof.export_chrome_trace(str(root / f"trace_rank{rank}.json"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("dump")
+    _dump.enable(root)
+    try:
+        for rank in (0, 1):
+            _compile_and_trace(root, rank)
+    finally:
+        _dump.disable(root)
+    return root
+
+
+def _explain(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "fsdp_compile", "explain", *args], capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_the_dump_folder_holds_every_pass_and_plan_for_each_rank_and_graph(dump: Path) -> None:
+    for rank in (0, 1):
+        (graph,) = [d for d in (dump / f"rank{rank}").iterdir() if d.is_dir()]
+        assert re.fullmatch(r"graph_\d+_0", graph.name)
+        names = sorted(p.name for p in graph.iterdir())
+        assert [re.sub(r"^\d+_", "", n) for n in names] == STAGE_FILES, names  # numbered in the order logged
+        after = (graph / names[4]).read_text()  # the Dynamo graph after insert_collectives
+        assert "# The unit of each collective:" in after and "layers.0" in after
+        units = json.loads((graph / names[1]).read_text())
+        assert [u["fqn"] for u in units] == ["", "layers.0", "layers.1", "layers.2", "layers.3"]
+        events = [json.loads(line) for line in (dump / f"rank{rank}" / "events.jsonl").read_text().splitlines()]
+        assert any(e["event"] == "compilation_metrics" and e["graph"] == graph.name for e in events)
+
+
+def test_explain_prints_the_units_the_collectives_the_memory_plan_and_draws_the_step(dump: Path) -> None:
+    proc = _explain(str(dump))
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "ranks [0, 1]; rank 0 shown" in out
+    assert "| layers.0 | 9 | 8,768 | 4,384 | 0 | torch.float32 | torch.float32 | reduce_scatter | True |" in out
+    assert "forward: 5 all-gathers (prefetch 1)" in out
+    assert "backward: 5 all-gathers (prefetch 1), 5 gradient reductions (at most 2 in flight)" in out
+    assert re.search(r"all-gather +2 +layers\.0 +all_gather_into_tensor_1 +issued 1 unit\(s\) ahead", out), out
+    assert re.search(r"reduction +1 +layers\.3 ", out), out
+    assert re.search(r"memory plan over forward\+backward: \d+ slots, pool .*one buffer per collective .*max-pool", out)
+    assert re.search(r"\[\d+/0\] forward: \d+ nodes, 0 graph breaks", out)
+    assert "the first all-gather (<root>) has no compute before it" in out
+    assert "ranks compiled different graphs" not in out
+    timeline = ET.parse(dump / "timeline.svg").getroot()
+    titles = [t.text for t in timeline.iter(f"{SVG}title")]
+    compute = [t for t in titles if re.fullmatch(r"(forward|backward) (<root>|layers\.\d)", t)]
+    assert timeline.tag == f"{SVG}svg" and len(compute) == 10, titles
+    assert sum("all-gather" in t for t in titles) == 10 and sum(t.startswith("reduction") for t in titles) == 5
+    memory = ET.parse(dump / "memory.svg").getroot()
+    assert memory.tag == f"{SVG}svg" and sum(1 for _ in memory.iter(f"{SVG}title")) == 15  # every buffer planned
+
+
+def test_explain_overlays_a_cpu_profiler_trace(dump: Path) -> None:
+    proc = _explain(str(dump), "--trace", str(dump / "trace_rank0.json"))
+    assert proc.returncode == 0, proc.stderr
+    match = re.search(r"trace .*: (\d+) collectives among \d+ host ops", proc.stdout)
+    assert match and int(match[1]) > 0, proc.stdout
+    assert re.search(r"\| layers\.0 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", proc.stdout), proc.stdout
+    assert "measured (" in (dump / "timeline.svg").read_text()
+
+
+def test_ranks_whose_graphs_differ_are_flagged(dump: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "dump"
+    shutil.copytree(dump, copy)
+    (plan,) = (copy / "rank1").glob("graph_*/*_forward_schedule_overlap_plan.json")
+    plan.write_text(plan.read_text().replace('"prefetch": 1', '"prefetch": 2'))
+    (warning,) = [w for w in explain.warnings(explain.load(copy)) if "different graphs" in w]
+    assert "ranks [0]" in warning and "ranks [1]" in warning
+
+
+def test_explain_refuses_a_folder_without_a_dump_and_a_missing_trace(dump: Path, tmp_path: Path) -> None:
+    proc = _explain(str(tmp_path))
+    assert proc.returncode == 2 and "holds no dump" in proc.stderr and "FSDP_COMPILE_DUMP" in proc.stderr
+    proc = _explain(str(dump), "--trace", str(tmp_path / "missing.json"))
+    assert proc.returncode == 2 and "no trace file" in proc.stderr
+
+
+def test_the_backend_option_dumps_that_backends_compiles(tmp_path: Path) -> None:
+    compile_and_capture(backend_options={"compiler": "aot_eager", "dump": str(tmp_path)})
+    (graph,) = (tmp_path / "rank0").iterdir()
+    names = [re.sub(r"^\d+_", "", p.name) for p in sorted(graph.iterdir())]
+    assert names == [n for n in STAGE_FILES if "dynamo_output_graph" not in n and "inductor" not in n], names
+    assert not _dump.active()
+
+
+def test_a_bad_dump_option_is_refused() -> None:
+    with pytest.raises(TypeError, match="dump must be a folder"):
+        fsdp_compile.backend(dump=3)
+
+
+def test_the_environment_variable_dumps_every_compile_until_disabled(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert not _dump.active()  # backend(dump=...) dumps its own compiles only: the fixture's left nothing open
+    monkeypatch.setenv(_dump.ENV, str(tmp_path))
+    _dump.from_environment()
+    try:
+        assert _dump.active()
+        with _dump.dumping(tmp_path):  # a compile with backend(dump=) to the same folder leaves it open
+            pass
+        assert _dump.active()
+    finally:
+        _dump.disable(tmp_path)
+    assert not _dump.active()
