@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from fsdp_compile import explain
+from fsdp_compile._pictures import read_trace
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,8 +31,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.trace and not os.path.exists(args.trace):
         print(f"fsdp_compile explain: no trace file {args.trace}", file=sys.stderr)
         return 2
-    print(explain.report(dump, args.trace))
-    for name, svg in explain.pictures(dump, args.trace).items():
+    trace = read_trace(args.trace) if args.trace else None
+    print(explain.report(dump, trace))
+    for name, svg in explain.pictures(dump, trace).items():
         (dump.root / name).write_text(svg)
         print(f"wrote {dump.root / name}")
     return 0

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_compile._layout import unit_label
 from fsdp_compile._unit import UnitState, sharded_units
 
 __all__ = ["ShardingSummary", "UnitSummary", "describe", "sync_buffers"]
@@ -56,7 +57,7 @@ class ShardingSummary:
             "|---|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {u.fqn or '<root>'} | {u.num_parameters:,} | {u.shard_numel:,} | {u.param_dtype} | {u.reduce_dtype} | "
+            f"| {unit_label(u.fqn)} | {u.num_parameters:,} | {u.shard_numel:,} | {u.param_dtype} | {u.reduce_dtype} | "
             f"{u.grad_reduction} | {u.reshard_after_forward} |"
             for u in self.units
         ]

@@ -7,7 +7,8 @@
     DIR/rank<R>/events.jsonl                                          recompiles, graph breaks, metrics
 
 ``<stage>`` is ``dynamo`` (the Dynamo graph: the unit table, the collectives plan, the graph before and after
-``insert_collectives``), ``forward`` or ``backward`` (each post-grad pass's graph before and after and its plan,
+``insert_collectives``), ``joint`` (``reshard_after_forward`` on AOTAutograd's joint graph), ``forward`` or
+``backward`` (each post-grad pass's graph before and after and its plan,
 the memory plan, Inductor's post-grad graph and its output code); ``NN`` numbers the files of a graph in the
 order they were logged. The same records are what ``TORCH_TRACE`` gives ``tlparse``: this is a sink for them
 (a handler on torch's structured-trace logger), not a second logging path. While it is active, compiles skip

@@ -7,7 +7,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ParamSlot", "UnitLayout", "plan_layout"]
+__all__ = ["ParamSlot", "UnitLayout", "plan_layout", "unit_label"]
+
+def unit_label(fqn: str) -> str:
+    """How messages, tables and pictures name a unit: its fully qualified name, ``<root>`` for the root's ("")."""
+    return fqn or "<root>"
+
 
 ALIGN_ELEMENTS = 16
 """Each parameter starts at a multiple of this many elements of the flat buffer (32 bytes in bf16), so

@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import dataclass
 from html import escape
 from typing import Any
 
 from fsdp_compile._intervals import Intervals, intersect, length, union
+from fsdp_compile._layout import unit_label
 
-__all__ = ["exposed_by_unit", "memory_svg", "timeline_svg"]
+__all__ = ["Measured", "exposed_by_unit", "memory_svg", "prefetch_of", "read_trace", "timeline_svg"]
 
 Schedules = dict[str, dict[str, Any]]
 """Stage (``forward``, ``backward``) -> that graph's ``schedule_overlap`` plan, as its JSON artifact."""
+Event = tuple[str, float, float]
+"""(name, start, end) of one trace event, in µs."""
 
 WIDTH, LANE, LEFT = 1200, 34, 150
 COLORS = {"compute": "#4e79a7", "gather": "#59a14f", "exposed": "#e15759", "reduce": "#f28e2b", "measured": "#b07aa1"}
@@ -41,15 +45,20 @@ def _lane(y: float, name: str) -> str:
     return f'<text x="10" y="{y + LANE / 2 + 4:.1f}">{escape(name)}</text>'
 
 
-def timeline_svg(name: str, units: list[dict[str, Any]], schedules: Schedules, trace: str | None = None) -> str:
+def prefetch_of(plan: dict[str, Any]) -> int:
+    """How many units ahead the schedule issues its all-gathers (0 where it kept the original order)."""
+    return 0 if plan.get("kept_original_order") else plan.get("prefetch", 0)
+
+
+def timeline_svg(name: str, units: list[dict[str, Any]], schedules: Schedules, trace: Measured | None = None) -> str:
     """The planned step: compute boxes sized by the units' parameters (backward twice forward); each
     all-gather from where the schedule issues it to the compute that reads it (red: issued right before,
     nothing to hide behind); each gradient reduction from its issue to its wait. With a profiler trace, the
     measured compute and communication under it."""
-    size = {_name(u["fqn"]): max(u["num_parameters"], 1) for u in units}
+    size = {unit_label(u["fqn"]): max(u["num_parameters"], 1) for u in units}
     fwd, bwd = schedules.get("forward", {}), schedules.get("backward", {})
-    steps = [("forward", _name(fwd.get("units", {}).get(n, "?")), 1) for n in fwd.get("gathers", [])]
-    steps += [("backward", _name(bwd.get("units", {}).get(n, "?")), 2) for n in bwd.get("gathers", [])]
+    steps = [("forward", unit_label(fwd.get("units", {}).get(n, "?")), 1) for n in fwd.get("gathers", [])]
+    steps += [("backward", unit_label(bwd.get("units", {}).get(n, "?")), 2) for n in bwd.get("gathers", [])]
     scale = WIDTH / sum(size.get(unit, 1) * k for _, unit, k in steps) if steps else 1.0
     starts, x = [], 0.0
     body = [_lane(40, "compute"), _lane(40 + LANE, "all-gathers"), _lane(40 + 2 * LANE, "gradient reductions")]
@@ -60,21 +69,21 @@ def timeline_svg(name: str, units: list[dict[str, Any]], schedules: Schedules, t
         x += w
     offset = 0
     for stage, plan in (("forward", fwd), ("backward", bwd)):
-        ahead = 0 if plan.get("kept_original_order") else plan.get("prefetch", 0)
+        ahead = prefetch_of(plan)
         for i, name in enumerate(plan.get("gathers", [])):
             issue, use = starts[offset + max(i - ahead, 0)][0], starts[offset + i][0]
             exposed = issue >= use
             color = COLORS["exposed" if exposed else "gather"]
             body.append(_box(use - 3 if exposed else issue, 40 + LANE, use - issue, color,
-                             _name(plan["units"].get(name, "?")), f"{stage} all-gather {name}"))
+                             unit_label(plan["units"].get(name, "?")), f"{stage} all-gather {name}"))
         offset += len(plan.get("gathers", []))
     ends = {unit: end for (stage, unit, _), (_, end) in zip(steps, starts) if stage == "backward"}
     limit, issues = bwd.get("max_inflight_grad_reductions", 1), []
     for name in bwd.get("grad_reductions", []):  # in graph order: a unit's gradient is complete at its box's end
-        issues.append(max(ends.get(_name(bwd["units"].get(name, "?")), x), issues[-1] if issues else 0.0))
+        issues.append(max(ends.get(unit_label(bwd["units"].get(name, "?")), x), issues[-1] if issues else 0.0))
     for j, name in enumerate(bwd.get("grad_reductions", [])):
         wait = issues[j + limit] if j + limit < len(issues) else x
-        unit = _name(bwd["units"].get(name, "?"))
+        unit = unit_label(bwd["units"].get(name, "?"))
         body.append(_box(issues[j], 40 + 2 * LANE, wait - issues[j], COLORS["reduce"], unit,
                          f"reduction {name}: issued when its unit's gradient is complete, "
                          f"waited for {limit} later"))
@@ -82,10 +91,6 @@ def timeline_svg(name: str, units: list[dict[str, Any]], schedules: Schedules, t
     body += measured
     height = 60 + 3 * LANE + (2 * LANE + 20 if measured else 0)
     return _svg(height, body, f"{name}: the planned step (box widths: parameters; backward 2x forward)")
-
-
-def _name(fqn: str) -> str:
-    return fqn or "<root>"
 
 
 def memory_svg(name: str, plan: dict[str, Any]) -> str:
@@ -117,60 +122,65 @@ def memory_svg(name: str, plan: dict[str, Any]) -> str:
                               f"{plan['pool_bytes'] / 2**20:,.2f} MiB (max-pool {plan['maxpool_bytes'] / 2**20:,.2f})")
 
 
-def _trace_events(path: str) -> tuple[list[tuple[str, float, float]], bool]:
-    """(name, start, end) of the trace's GPU kernels and copies, or, in a trace without any (CPU), its host ops;
-    and whether they are device events."""
+@dataclass(frozen=True)
+class Measured:
+    """A profiler trace, read once: its GPU kernels and copies, or, in a trace without any (CPU), its host
+    ops; of those, the collectives (outermost only: host ops nest, one collective is several ops) in start
+    order, and the union of the rest (compute)."""
+
+    path: str
+    events: list[Event]
+    device: bool
+    comm: list[Event]
+    compute: Intervals
+
+
+def read_trace(path: str) -> Measured:
     with open(path) as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")]
-    chosen = device or [e for e in events if e.get("cat") == "cpu_op"]
-    return [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in chosen], bool(device)
-
-
-def _split(events: list[tuple[str, float, float]]) -> tuple[list[tuple[str, float, float]], Intervals]:
-    """The collectives (outermost only: host ops nest, one collective is several ops) and the compute."""
-    comm: list[tuple[str, float, float]] = []
-    for e in sorted(events, key=lambda e: (e[1], -e[2])):
+    chosen = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+              for e in device or [e for e in events if e.get("cat") == "cpu_op"]]
+    comm: list[Event] = []
+    for e in sorted(chosen, key=lambda e: (e[1], -e[2])):
         if (_GATHER.search(e[0]) or _REDUCE.search(e[0])) and "wait" not in e[0] and not (comm and e[2] <= comm[-1][2]):
             comm.append(e)
-    compute = union([(s, t) for n, s, t in events if (n, s, t) not in set(comm) and "wait" not in n])
-    return comm, compute
+    collectives = set(comm)
+    compute = union([(s, t) for n, s, t in chosen if (n, s, t) not in collectives and "wait" not in n])
+    return Measured(path, chosen, bool(device), comm, compute)
 
 
-def exposed_by_unit(trace: str, schedules: Schedules) -> list[str]:
+def exposed_by_unit(trace: Measured, schedules: Schedules) -> list[str]:
     """Per unit: its collectives' time in the trace and the part no compute ran beside (exposed). The k-th
     all-gather (reduction) of the trace is the plan's k-th, step after step."""
-    events, device = _trace_events(trace)
-    comm, compute = _split(events)
     plans = [schedules.get(s, {}) for s in ("forward", "backward")]
     gather_units = [p["units"].get(n, "?") for p in plans for n in p.get("gathers", [])]
     reduce_units = [p["units"].get(n, "?") for p in plans for n in p.get("grad_reductions", [])]
     per_unit: dict[str, list[float]] = {}
     seen = {"gather": 0, "reduce": 0}
-    for name, start, end in sorted(comm, key=lambda e: e[1]):
+    for name, start, end in trace.comm:
         kind, units = ("gather", gather_units) if _GATHER.search(name) else ("reduce", reduce_units)
-        unit = _name(units[seen[kind] % len(units)]) if units else "?"
+        unit = unit_label(units[seen[kind] % len(units)]) if units else "?"
         seen[kind] += 1
-        exposed = (end - start) - length(intersect([(start, end)], compute))
+        exposed = (end - start) - length(intersect([(start, end)], trace.compute))
         row = per_unit.setdefault(unit, [0.0, 0.0, 0.0, 0.0])
         row[0 if kind == "gather" else 2] += (end - start) / 1e3
         row[1 if kind == "gather" else 3] += exposed / 1e3
-    source = "GPU kernels and copies" if device else "host ops (a CPU trace: exposure means little without kernels)"
-    lines = [f"trace {trace}: {len(comm)} collectives among {len(events)} {source}",
+    host = "host ops (a CPU trace: exposure means little without kernels)"
+    source = "GPU kernels and copies" if trace.device else host
+    lines = [f"trace {trace.path}: {len(trace.comm)} collectives among {len(trace.events)} {source}",
              "| unit | all-gather ms | exposed ms | reduction ms | exposed ms |", "|---|---|---|---|---|"]
     return lines + [f"| {u} | {a:.3f} | {b:.3f} | {c:.3f} | {d:.3f} |" for u, (a, b, c, d) in per_unit.items()]
 
 
-def _measured_lanes(trace: str, y: float) -> list[str]:
-    events, _ = _trace_events(trace)
-    comm, compute = _split(events)
-    if not events:
+def _measured_lanes(trace: Measured, y: float) -> list[str]:
+    if not trace.events:
         return []
-    t0, t1 = min(s for _, s, _ in events), max(t for _, _, t in events)
+    t0, t1 = min(s for _, s, _ in trace.events), max(t for _, _, t in trace.events)
     sx = WIDTH / max(t1 - t0, 1e-9)
     body = [f'<text x="10" y="{y - 6:.0f}">measured ({(t1 - t0) / 1e3:,.2f} ms)</text>', _lane(y, "compute"),
             _lane(y + LANE, "communication")]
-    body += [_box((s - t0) * sx, y, (t - s) * sx, COLORS["measured"]) for s, t in compute]
+    body += [_box((s - t0) * sx, y, (t - s) * sx, COLORS["measured"]) for s, t in trace.compute]
     body += [_box((s - t0) * sx, y + LANE, (t - s) * sx, COLORS["reduce" if _REDUCE.search(n) else "gather"], "", n)
-             for n, s, t in comm]
+             for n, s, t in trace.comm]
     return body

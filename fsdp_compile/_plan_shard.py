@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fsdp_compile._internals import OptimizedModule
-from fsdp_compile._layout import UnitLayout, plan_layout
+from fsdp_compile._layout import UnitLayout, plan_layout, unit_label
 from fsdp_compile._ops import GradReduction
 from fsdp_compile.config import MixedPrecision
 
@@ -226,7 +226,7 @@ def _unit_dtype(unit_fqn: str, params: list[nn.Parameter], owners: dict[nn.Param
     dtypes = {p.dtype: owners[p][0].fqn for p in params}
     if len(dtypes) > 1:
         raise ValueError(
-            f"unit {unit_fqn or '<root>'!r} mixes parameter dtypes {dtypes}; a unit's parameters share one flat "
+            f"unit {unit_label(unit_fqn)!r} mixes parameter dtypes {dtypes}; a unit's parameters share one flat "
             "buffer of one dtype: convert the model (e.g. model.float()) before shard()"
         )
     (dtype,) = dtypes

@@ -16,7 +16,7 @@ from torch import nn
 
 from fsdp_compile._eager import EagerUnit
 from fsdp_compile._internals import counters
-from fsdp_compile._layout import ParamSlot, UnitLayout
+from fsdp_compile._layout import ParamSlot, UnitLayout, unit_label
 from fsdp_compile._ops import (
     GradReduction,
     all_gather_nograd,
@@ -95,7 +95,7 @@ class UnitState:
         cycle, so a deleted model is freed by reference counting ([Note: eager gather and reshard])."""
 
     def __repr__(self) -> str:
-        name = self.layout.fqn or "<root>"
+        name = unit_label(self.layout.fqn)
         return f"UnitState({name!r}, params={len(self.layout.slots)}, shard={self.layout.shard_numel})"
 
     def shard_version(self) -> int:
@@ -106,7 +106,7 @@ class UnitState:
         """The unit's all-gather and gradient reduction, as the ranks compare them (``fsdp_compile._agree``; with
         HSDP also across the replicas, whose groups have names of their own: no group names here)."""
         return (
-            f"all-gather of unit {self.layout.fqn or '<root>'!r} ({self.layout.padded_numel} elements in "
+            f"all-gather of unit {unit_label(self.layout.fqn)!r} ({self.layout.padded_numel} elements in "
             f"{self.param_dtype}; gradients by {self.grad_reduction} in {self.reduce_dtype}) over "
             f"{self.world_size} ranks" + ("" if self.replicate_group is None else f" x {self.replicas} replicas")
         )

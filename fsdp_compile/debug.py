@@ -40,6 +40,7 @@ from typing import Literal
 import torch.fx as fx
 
 from fsdp_compile._internals import counters, inductor_config, trace_structured
+from fsdp_compile._layout import unit_label
 from fsdp_compile._ops import UNIT
 
 __all__ = ["CapturedGraph", "artifact", "capture_graphs", "current_stage", "degraded", "graph_artifact", "set_stage"]
@@ -106,7 +107,7 @@ def graph_artifact(name: str, gm: fx.GraphModule) -> None:
     """``gm``'s code, with shapes, dtypes and each collective's unit, as the artifact ``fsdp_compile_<name>``."""
 
     def readable() -> str:
-        units = [f"#   {n.name}: {n.meta['custom'][UNIT] or '<root>'}" for n in gm.graph.nodes
+        units = [f"#   {n.name}: {unit_label(n.meta['custom'][UNIT])}" for n in gm.graph.nodes
                  if UNIT in n.meta.get("custom", {}) and n.op == "call_function" and _COLLECTIVE.search(str(n.target))]
         code = gm.print_readable(print_output=False, include_stride=False, include_device=True)
         return "\n".join(["# The unit of each collective:", *units, "", code]) if units else code

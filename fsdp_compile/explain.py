@@ -13,15 +13,19 @@ import hashlib
 import json
 import re
 import statistics
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fsdp_compile import _pictures
+from fsdp_compile import _pictures, debug
+from fsdp_compile._layout import unit_label
+from fsdp_compile._pictures import Measured, prefetch_of
 
 __all__ = ["Dump", "GraphDump", "load", "pictures", "report", "warnings"]
 
-_FILE = re.compile(r"^(\d+)_(dynamo|joint|forward|backward)_(.+)\.(json|py)$")
+_FILE = re.compile(rf"^(\d+)_({'|'.join(typing.get_args(debug.Stage))})_(.+)\.(json|py)$")
+"""A dump file's name: its number, stage, artifact name and kind (``fsdp_compile/_dump.py``)."""
 LARGE_UNIT = 4.0
 """A unit with more than this many times the median unit's parameters is called out (it bounds the slot
 sizes and the overlap: its all-gather is the longest to hide)."""
@@ -79,10 +83,8 @@ def _lines(path: Path) -> list[str]:
 def _graph(rank: int, folder: Path) -> GraphDump | None:
     units: list[dict[str, Any]] | None = None
     schedules, memory = {}, None
-    for path in sorted(folder.iterdir()):
-        match = _FILE.match(path.name)
-        if not match or match[4] != "json":
-            continue
+    files = [(match, path) for path in folder.iterdir() if (match := _FILE.match(path.name)) and match[4] == "json"]
+    for match, path in sorted(files, key=lambda f: int(f[0][1])):  # in the order logged: the last memory plan wins
         stage, name = match[2], match[3]
         if name == "units":
             units = json.loads(path.read_text())
@@ -93,10 +95,6 @@ def _graph(rank: int, folder: Path) -> GraphDump | None:
     return None if units is None else GraphDump(rank, folder.name, units, schedules, memory)
 
 
-def _unit(name: str) -> str:
-    return name or "<root>"
-
-
 def _mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:,.2f} MiB" if nbytes >= 2**20 else f"{nbytes:,.0f} B"
 
@@ -105,7 +103,7 @@ def _units_table(units: list[dict[str, Any]]) -> list[str]:
     lines = ["| unit | parameters | elements | per rank | padding | param dtype | reduce dtype | gradient reduction "
              "| reshard after forward |", "|---|---|---|---|---|---|---|---|---|"]
     for u in units:
-        lines.append(f"| {_unit(u['fqn'])} | {len(u['parameters'])} | {u['num_parameters']:,} | {u['shard_numel']:,} | "
+        lines.append(f"| {unit_label(u['fqn'])} | {len(u['parameters'])} | {u['num_parameters']:,} | {u['shard_numel']:,} | "
                      f"{u['padded_numel'] - u['num_parameters']:,} | {u['param_dtype']} | {u['reduce_dtype']} | "
                      f"{u['grad_reduction']} | {u['reshard_after_forward']} |")
     return lines
@@ -114,16 +112,16 @@ def _units_table(units: list[dict[str, Any]]) -> list[str]:
 def _schedule_lines(stage: str, plan: dict[str, Any]) -> list[str]:
     units, gathers, reductions = plan["units"], plan["gathers"], plan["grad_reductions"]
     kept = plan["kept_original_order"]
-    head = f"{stage}: {len(gathers)} all-gathers (prefetch {0 if kept else plan['prefetch']})"
+    head = f"{stage}: {len(gathers)} all-gathers (prefetch {prefetch_of(plan)})"
     if reductions:
         head += f", {len(reductions)} gradient reductions (at most {plan['max_inflight_grad_reductions']} in flight)"
     lines = [head + (": ORIGINAL ORDER KEPT (no valid schedule)" if kept else "")]
     for i, name in enumerate(gathers):
-        ahead = 0 if kept else min(i, plan["prefetch"])
-        unit = _unit(units.get(name, "?"))
+        ahead = min(i, prefetch_of(plan))
+        unit = unit_label(units.get(name, "?"))
         lines.append(f"  all-gather {i + 1:>3}  {unit:<24} {name:<28} issued {ahead} unit(s) ahead")
     for j, name in enumerate(reductions):
-        lines.append(f"  reduction  {j + 1:>3}  {_unit(units.get(name, '?')):<24} {name}")
+        lines.append(f"  reduction  {j + 1:>3}  {unit_label(units.get(name, '?')):<24} {name}")
     lines += [f"  unscheduled: {name} ({why})" for name, why in plan["unscheduled"]]
     return lines
 
@@ -165,11 +163,11 @@ def _graph_warnings(graphs: list[GraphDump]) -> list[str]:
                 out.append(f"{where} {stage}: no valid overlap schedule, the collectives stay where they are")
             out += [f"{where} {stage}: {name} cannot overlap: {why}" for name, why in plan["unscheduled"]]
             if stage == "forward" and plan["gathers"]:
-                first = _unit(plan["units"].get(plan["gathers"][0], "?"))
+                first = unit_label(plan["units"].get(plan["gathers"][0], "?"))
                 out.append(f"{where} forward: the first all-gather ({first}) has no compute before it to hide behind")
         sizes = [u["num_parameters"] for u in g.units]
         median = statistics.median(sizes) if sizes else 0
-        out += [f"{where}: unit {_unit(u['fqn'])} has {u['num_parameters'] / median:.1f}x the median unit's "
+        out += [f"{where}: unit {unit_label(u['fqn'])} has {u['num_parameters'] / median:.1f}x the median unit's "
                 f"parameters ({u['num_parameters']:,} vs {median:,.0f})"
                 for u in g.units if median and u["num_parameters"] > LARGE_UNIT * median]
         sizes_by_name = {b["name"]: b["nbytes"] for b in (g.memory or {}).get("buffers", [])}
@@ -204,7 +202,7 @@ def _compile_lines(events: list[dict[str, Any]]) -> list[str]:
     return lines + [f"  graph break: {b}" for b in breaks]
 
 
-def report(dump: Dump, trace: str | None = None) -> str:
+def report(dump: Dump, trace: Measured | None = None) -> str:
     rank = min(dump.graphs)
     lines = [f"fsdp_compile dump {dump.root}: ranks {sorted(dump.graphs)}; rank {rank} shown, the others compared"]
     for g in dump.graphs[rank]:
@@ -225,7 +223,7 @@ def report(dump: Dump, trace: str | None = None) -> str:
     return "\n".join(lines)
 
 
-def pictures(dump: Dump, trace: str | None = None) -> dict[str, str]:
+def pictures(dump: Dump, trace: Measured | None = None) -> dict[str, str]:
     """File name -> SVG: ``timeline.svg`` (with the measured lanes under it when given a trace) and
     ``memory.svg``, of the first rank's first graph that has a schedule (a memory plan)."""
     graphs, out = dump.graphs[min(dump.graphs)], {}

@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
-from fsdp_compile._internals import inductor_config
+from fsdp_compile._internals import inductor_config, trace_log
 from fsdp_compile.debug import capture_graphs
 from fsdp_compile.testing.dist import hsdp_mesh
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
@@ -60,8 +60,6 @@ def compile_and_capture(
 def memory_plans() -> Iterator[list[dict]]:
     """The ``fsdp_compile_memory_plan`` artifacts logged meanwhile, parsed. Graphs compiled meanwhile skip
     Inductor's caches (a cached graph runs no pass and logs no plan)."""
-    from torch._logging._internal import trace_log
-
     plans: list[dict] = []
 
     class Collect(logging.Handler):
