@@ -3,6 +3,7 @@ step (``timeline.svg``), the memory plan (``memory.svg``), and what a profiler t
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 from dataclasses import dataclass
@@ -23,6 +24,9 @@ WIDTH, LANE, LEFT = 1200, 34, 150
 COLORS = {"compute": "#4e79a7", "gather": "#59a14f", "exposed": "#e15759", "reduce": "#f28e2b", "measured": "#b07aa1"}
 _GATHER = re.compile(r"all_?gather|PtoP", re.IGNORECASE)
 _REDUCE = re.compile(r"reduce_?scatter|all_?to_?all|sendrecv|all_?reduce", re.IGNORECASE)
+_DEVICE_COMM = re.compile(r"^nccl|Memcpy PtoP", re.IGNORECASE)
+"""On a GPU trace only NCCL's kernels and peer copies communicate: Inductor names its fused kernels after the
+ops they hold (``triton_poi_fused_all_gather_into_tensor_0`` casts a shard into an all-gather's input)."""
 
 
 def _svg(height: float, body: list[str], title: str) -> str:
@@ -70,22 +74,22 @@ def timeline_svg(name: str, units: list[dict[str, Any]], schedules: Schedules, t
     offset = 0
     for stage, plan in (("forward", fwd), ("backward", bwd)):
         ahead = prefetch_of(plan)
-        for i, name in enumerate(plan.get("gathers", [])):
+        for i, gather in enumerate(plan.get("gathers", [])):
             issue, use = starts[offset + max(i - ahead, 0)][0], starts[offset + i][0]
             exposed = issue >= use
             color = COLORS["exposed" if exposed else "gather"]
             body.append(_box(use - 3 if exposed else issue, 40 + LANE, use - issue, color,
-                             unit_label(plan["units"].get(name, "?")), f"{stage} all-gather {name}"))
+                             unit_label(plan["units"].get(gather, "?")), f"{stage} all-gather {gather}"))
         offset += len(plan.get("gathers", []))
     ends = {unit: end for (stage, unit, _), (_, end) in zip(steps, starts) if stage == "backward"}
     limit, issues = bwd.get("max_inflight_grad_reductions", 1), []
-    for name in bwd.get("grad_reductions", []):  # in graph order: a unit's gradient is complete at its box's end
-        issues.append(max(ends.get(unit_label(bwd["units"].get(name, "?")), x), issues[-1] if issues else 0.0))
-    for j, name in enumerate(bwd.get("grad_reductions", [])):
+    for reduction in bwd.get("grad_reductions", []):  # in graph order: complete at its unit's box's end
+        issues.append(max(ends.get(unit_label(bwd["units"].get(reduction, "?")), x), issues[-1] if issues else 0.0))
+    for j, reduction in enumerate(bwd.get("grad_reductions", [])):
         wait = issues[j + limit] if j + limit < len(issues) else x
-        unit = unit_label(bwd["units"].get(name, "?"))
+        unit = unit_label(bwd["units"].get(reduction, "?"))
         body.append(_box(issues[j], 40 + 2 * LANE, wait - issues[j], COLORS["reduce"], unit,
-                         f"reduction {name}: issued when its unit's gradient is complete, "
+                         f"reduction {reduction}: issued when its unit's gradient is complete, "
                          f"waited for {limit} later"))
     measured = _measured_lanes(trace, 60 + 3 * LANE + 30) if trace else []
     body += measured
@@ -136,18 +140,34 @@ class Measured:
 
 
 def read_trace(path: str) -> Measured:
-    with open(path) as f:
+    """A Chrome trace (``.json``, or ``.json.gz`` as the profiler writes it for such a name). Collectives:
+    on a GPU trace NCCL's kernels and peer copies, on a CPU trace the host ops named after a collective; the
+    events of one kind that overlap count as one (host ops nest; a copy-engine all-gather's peer copies may
+    run side by side)."""
+    with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
         events = [e for e in json.load(f)["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")]
     chosen = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
               for e in device or [e for e in events if e.get("cat") == "cpu_op"]]
     comm: list[Event] = []
     for e in sorted(chosen, key=lambda e: (e[1], -e[2])):
-        if (_GATHER.search(e[0]) or _REDUCE.search(e[0])) and "wait" not in e[0] and not (comm and e[2] <= comm[-1][2]):
+        if not _is_collective(e[0], bool(device)):
+            continue
+        if comm and e[1] < comm[-1][2] and _kind(e[0]) == _kind(comm[-1][0]):
+            comm[-1] = (comm[-1][0], comm[-1][1], max(comm[-1][2], e[2]))
+        else:
             comm.append(e)
-    collectives = set(comm)
-    compute = union([(s, t) for n, s, t in chosen if (n, s, t) not in collectives and "wait" not in n])
+    compute = union([(s, t) for n, s, t in chosen if not _is_collective(n, bool(device)) and "wait" not in n])
     return Measured(path, chosen, bool(device), comm, compute)
+
+
+def _is_collective(name: str, device: bool) -> bool:
+    named = bool(_GATHER.search(name) or _REDUCE.search(name)) and "wait" not in name
+    return named and (not device or bool(_DEVICE_COMM.search(name)))
+
+
+def _kind(name: str) -> str:
+    return "gather" if _GATHER.search(name) else "reduce"
 
 
 def exposed_by_unit(trace: Measured, schedules: Schedules) -> list[str]:
@@ -159,7 +179,8 @@ def exposed_by_unit(trace: Measured, schedules: Schedules) -> list[str]:
     per_unit: dict[str, list[float]] = {}
     seen = {"gather": 0, "reduce": 0}
     for name, start, end in trace.comm:
-        kind, units = ("gather", gather_units) if _GATHER.search(name) else ("reduce", reduce_units)
+        kind = _kind(name)
+        units = gather_units if kind == "gather" else reduce_units
         unit = unit_label(units[seen[kind] % len(units)]) if units else "?"
         seen[kind] += 1
         exposed = (end - start) - length(intersect([(start, end)], trace.compute))
@@ -168,8 +189,12 @@ def exposed_by_unit(trace: Measured, schedules: Schedules) -> list[str]:
         row[1 if kind == "gather" else 3] += exposed / 1e3
     host = "host ops (a CPU trace: exposure means little without kernels)"
     source = "GPU kernels and copies" if trace.device else host
-    lines = [f"trace {trace.path}: {len(trace.comm)} collectives among {len(trace.events)} {source}",
-             "| unit | all-gather ms | exposed ms | reduction ms | exposed ms |", "|---|---|---|---|---|"]
+    lines = [f"trace {trace.path}: {len(trace.comm)} collectives among {len(trace.events)} {source}"]
+    for kind, units in (("gather", gather_units), ("reduce", reduce_units)):
+        if units and seen[kind] % len(units):
+            lines.append(f"  (the trace's {seen[kind]} {'all-gathers' if kind == 'gather' else 'reductions'} are not "
+                         f"whole steps of the plan's {len(units)}: the units below are matched by order, and may be off)")
+    lines += ["| unit | all-gather ms | exposed ms | reduction ms | exposed ms |", "|---|---|---|---|---|"]
     return lines + [f"| {u} | {a:.3f} | {b:.3f} | {c:.3f} | {d:.3f} |" for u, (a, b, c, d) in per_unit.items()]
 
 
@@ -181,6 +206,6 @@ def _measured_lanes(trace: Measured, y: float) -> list[str]:
     body = [f'<text x="10" y="{y - 6:.0f}">measured ({(t1 - t0) / 1e3:,.2f} ms)</text>', _lane(y, "compute"),
             _lane(y + LANE, "communication")]
     body += [_box((s - t0) * sx, y, (t - s) * sx, COLORS["measured"]) for s, t in trace.compute]
-    body += [_box((s - t0) * sx, y + LANE, (t - s) * sx, COLORS["reduce" if _REDUCE.search(n) else "gather"], "", n)
+    body += [_box((s - t0) * sx, y + LANE, (t - s) * sx, COLORS[_kind(n)], "", n)
              for n, s, t in trace.comm]
     return body

@@ -3,6 +3,7 @@ files of each rank and graph, what explain prints, its pictures, a profiler trac
 
 from __future__ import annotations
 
+import gzip
 import json
 import re
 import shutil
@@ -17,7 +18,7 @@ import torch.distributed as dist
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
-from fsdp_compile import _dump, explain
+from fsdp_compile import _dump, _pictures, explain
 from fsdp_compile.testing.graphs import compile_and_capture
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
@@ -100,6 +101,8 @@ def test_explain_prints_the_units_the_collectives_the_memory_plan_and_draws_the_
     assert "the first all-gather (<root>) has no compute before it" in out
     assert "ranks compiled different graphs" not in out
     timeline = ET.parse(dump / "timeline.svg").getroot()
+    (graph,) = (dump / "rank0").glob("graph_*")
+    assert timeline.find(f"{SVG}text").text.startswith(f"{graph.name}: the planned step")
     titles = [t.text for t in timeline.iter(f"{SVG}title")]
     compute = [t for t in titles if re.fullmatch(r"(forward|backward) (<root>|layers\.\d)", t)]
     assert timeline.tag == f"{SVG}svg" and len(compute) == 10, titles
@@ -115,6 +118,37 @@ def test_explain_overlays_a_cpu_profiler_trace(dump: Path) -> None:
     assert match and int(match[1]) > 0, proc.stdout
     assert re.search(r"\| layers\.0 \| [\d.]+ \| [\d.]+ \| [\d.]+ \| [\d.]+ \|", proc.stdout), proc.stdout
     assert "measured (" in (dump / "timeline.svg").read_text()
+
+
+def test_a_gpu_trace_counts_nccl_kernels_and_peer_copies_not_kernels_named_after_collectives(tmp_path: Path) -> None:
+    def event(name: str, cat: str, start: float, end: float) -> dict[str, object]:
+        return {"ph": "X", "cat": cat, "name": name, "ts": start, "dur": end - start}
+
+    events = [
+        event("triton_poi_fused__to_copy_all_gather_into_tensor_0", "kernel", 0, 10),  # the cast: compute
+        event("ncclDevKernel_AllGather_RING_LL(ncclDevKernelArgsStorage<4096ul>)", "kernel", 5, 30),
+        event("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", 12, 20),
+        event("Memcpy PtoP (Device -> Device)", "gpu_memcpy", 40, 50),  # one copy-engine all-gather: two peers
+        event("Memcpy PtoP (Device -> Device)", "gpu_memcpy", 45, 55),
+        event("triton_red_fused_all_to_all_single_1", "kernel", 50, 52),
+        event("ncclDevKernel_SendRecv(ncclDevKernelArgsStorage<4096ul>)", "kernel", 60, 70),
+        event("_c10d_functional::wait_tensor", "cpu_op", 0, 100),
+    ]
+    path = tmp_path / "trace.json.gz"
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    trace = _pictures.read_trace(str(path))
+    assert trace.device and [(s, t) for _, s, t in trace.comm] == [(5, 30), (40, 55), (60, 70)]
+    assert trace.compute == [(0, 10), (12, 20), (50, 52)]
+    schedules = {"forward": {"gathers": ["ag0", "ag1"], "units": {"ag0": "layers.0", "ag1": "layers.1"}},
+                 "backward": {"grad_reductions": ["a2a"], "units": {"a2a": "layers.0"}}}
+    lines = _pictures.exposed_by_unit(trace, schedules)
+    assert lines[0].endswith("3 collectives among 7 GPU kernels and copies"), lines
+    # layers.0: all-gather 25 us, 12 of them with no compute beside; its reduction 10 us, all exposed
+    assert "| layers.0 | 0.025 | 0.012 | 0.010 | 0.010 |" in lines and "| layers.1 | 0.015 | 0.013 | 0.000 | 0.000 |" in lines
+    assert not any("not whole steps" in line for line in lines)
+    schedules["forward"]["gathers"].append("ag2")  # a plan of 3 all-gathers against the trace's 2
+    assert any("not whole steps" in line for line in _pictures.exposed_by_unit(trace, schedules))
 
 
 def test_ranks_whose_graphs_differ_are_flagged(dump: Path, tmp_path: Path) -> None:
