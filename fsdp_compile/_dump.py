@@ -6,6 +6,8 @@
                                                                        id as Dynamo numbers them, [0/1])
     DIR/rank<R>/events.jsonl                                          recompiles, graph breaks, metrics
 
+A run replaces what an earlier run wrote for the same rank (its first write removes it).
+
 ``<stage>`` is ``dynamo`` (the Dynamo graph: the unit table, the collectives plan, the graph before and after
 ``insert_collectives``), ``joint`` (``reshard_after_forward`` on AOTAutograd's joint graph), ``forward`` or
 ``backward`` (each post-grad pass's graph before and after and its plan,
@@ -20,6 +22,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,6 +49,8 @@ _EVENT_PAYLOAD_CHARS = 4000
 
 _numbers: dict[Path, int] = {}
 """Files written so far per graph folder (kept across sinks: a backward compiles later, in a sink of its own)."""
+_ranks: set[Path] = set()
+"""Rank folders this process writes: what an earlier run left in one is removed before the first write."""
 _lock = threading.Lock()
 
 
@@ -74,7 +79,7 @@ class _Sink(logging.Handler):
             event = {"event": name, "graph": graph, "metadata": fields,
                      "payload": (payload or "")[:_EVENT_PAYLOAD_CHARS]}
             with _lock:
-                rank_dir.mkdir(parents=True, exist_ok=True)
+                _start(rank_dir)
                 with open(rank_dir / "events.jsonl", "a") as f:
                     f.write(json.dumps(event, default=str) + "\n")
             return
@@ -84,11 +89,23 @@ class _Sink(logging.Handler):
         encoding = metadata[kind].get("encoding", "string") if kind == "artifact" else "string"
         suffix = ".json" if encoding == "json" else ".py"
         with _lock:
+            _start(rank_dir)
             folder.mkdir(parents=True, exist_ok=True)
             number = _numbers[folder] = _numbers.get(folder, 0) + 1
         stem = name.removeprefix("fsdp_compile_")
         stage = _GRAPH_FILES.get(name) or debug.current_stage()
         (folder / f"{number:02d}_{stage}_{stem}{suffix}").write_text(payload)
+
+
+def _start(rank_dir: Path) -> None:
+    """Before this process's first write to ``rank_dir``: remove an earlier run's dump of that rank (its
+    graphs would be numbered the same, and explain would mix the runs)."""
+    if rank_dir not in _ranks:
+        _ranks.add(rank_dir)
+        for old in rank_dir.glob("graph_*"):
+            shutil.rmtree(old)
+        (rank_dir / "events.jsonl").unlink(missing_ok=True)
+    rank_dir.mkdir(parents=True, exist_ok=True)
 
 
 def _graph_folder(metadata: dict[str, Any]) -> str | None:

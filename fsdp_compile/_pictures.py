@@ -192,8 +192,9 @@ def exposed_by_unit(trace: Measured, schedules: Schedules) -> list[str]:
     lines = [f"trace {trace.path}: {len(trace.comm)} collectives among {len(trace.events)} {source}"]
     for kind, units in (("gather", gather_units), ("reduce", reduce_units)):
         if units and seen[kind] % len(units):
-            lines.append(f"  (the trace's {seen[kind]} {'all-gathers' if kind == 'gather' else 'reductions'} are not "
-                         f"whole steps of the plan's {len(units)}: the units below are matched by order, and may be off)")
+            what = "all-gathers" if kind == "gather" else "reductions"
+            lines.append(f"  (the trace's {seen[kind]} {what} are not whole steps of the plan's {len(units)}: "
+                         "the units below are matched by order, and may be off)")
     lines += ["| unit | all-gather ms | exposed ms | reduction ms | exposed ms |", "|---|---|---|---|---|"]
     return lines + [f"| {u} | {a:.3f} | {b:.3f} | {c:.3f} | {d:.3f} |" for u, (a, b, c, d) in per_unit.items()]
 
