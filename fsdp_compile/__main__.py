@@ -32,10 +32,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"fsdp_compile explain: no trace file {args.trace}", file=sys.stderr)
         return 2
     trace = read_trace(args.trace) if args.trace else None
-    print(explain.report(dump, trace))
+    lines = [explain.report(dump, trace)]
     for name, svg in explain.pictures(dump, trace).items():
         (dump.root / name).write_text(svg)
-        print(f"wrote {dump.root / name}")
+        lines.append(f"wrote {dump.root / name}")
+    try:
+        print("\n".join(lines), flush=True)
+    except BrokenPipeError:  # the reader stopped early (``| head``): the pictures are written all the same
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
 
 

@@ -152,6 +152,18 @@ def test_a_gpu_trace_counts_nccl_kernels_and_peer_copies_not_kernels_named_after
     assert any("not whole steps" in line for line in _pictures.exposed_by_unit(trace, schedules))
 
 
+def test_explain_piped_into_a_reader_that_stops_early_still_writes_the_pictures(dump: Path, tmp_path: Path) -> None:
+    copy = tmp_path / "dump"
+    shutil.copytree(dump, copy)
+    for svg in copy.glob("*.svg"):
+        svg.unlink()
+    proc = subprocess.Popen([sys.executable, "-m", "fsdp_compile", "explain", str(copy)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()  # as `| head` does
+    assert proc.wait(timeout=300) == 0 and proc.stderr.read() == b""
+    assert sorted(p.name for p in copy.glob("*.svg")) == ["memory.svg", "timeline.svg"]
+
+
 def test_ranks_whose_graphs_differ_are_flagged(dump: Path, tmp_path: Path) -> None:
     copy = tmp_path / "dump"
     shutil.copytree(dump, copy)
