@@ -9,6 +9,7 @@ forward and backward graphs (Inductor's post-grad graphs, or the AOT graphs unde
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Sequence
@@ -25,6 +26,7 @@ from fsdp_compile._apply_shard import unsharded_parameter_message
 from fsdp_compile._describe import units_json
 from fsdp_compile._internals import PassPipeline, counters, inductor_config, lifetime
 from fsdp_compile.config import BackendConfig
+from fsdp_compile.lowering.choose_route import choose_all_gather
 from fsdp_compile.lowering.lower_to_symm_mem import (
     LowerToSymmMem,
     reserve_workspace,
@@ -125,6 +127,16 @@ def _partition_resharded(joint: fx.GraphModule, joint_inputs: Sequence[Any], **k
     return _internals.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
+def _choose_all_gather(gm: fx.GraphModule, plan: CollectivesPlan) -> str:
+    """``all_gather="auto"``: the route for this graph's all-gathers (``lowering/choose_route.py``), logged."""
+    shards = {n.name: n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")}
+    gathers = [g for g in plan.gathers if g.world_size > 1]
+    choice = choose_all_gather({g.world_size for g in gathers}, {shards[g.shard].device for g in gathers})
+    debug.artifact("all_gather_route", choice.to_json, encoding="json")
+    log.info("fsdp_compile: all_gather='auto' chose %r: %s", choice.route, choice.reason)
+    return choice.route
+
+
 def _reserve_workspaces(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
     """Size each group's copy-engine workspace to its largest shard, in param_dtype, before any graph runs."""
     shards = {n.name: n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")}
@@ -196,8 +208,10 @@ def _compile(
 def _compile_dumped(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig, user_settings: dict[str, Any]
 ) -> Callable[..., Any]:
-    settings = {**user_settings, **_inductor_settings(config)}
     plan = _insert_collectives(gm, example_inputs)
+    if config.all_gather == "auto":
+        config = dataclasses.replace(config, all_gather=_choose_all_gather(gm, plan))
+    settings = {**user_settings, **_inductor_settings(config)}
     if settings.get("triton.cudagraphs") and not lifetime.before_destroy("cuda_graphs", lifetime.release_cuda_graphs):
         debug.degraded(
             "cuda_graphs_hold_destroy",

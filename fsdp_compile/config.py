@@ -68,11 +68,14 @@ class BackendConfig:
     once in backward; each holds its unit's gradient buffer, in the dtype it travels in, until it is waited
     for."""
 
-    all_gather: Literal["nccl", "copy_engine"] = "nccl"
+    all_gather: Literal["nccl", "copy_engine", "auto"] = "nccl"
     """How the units' all-gathers run on GPUs. ``"nccl"``: NCCL kernels (they hold SMs while they run).
     ``"copy_engine"``: peer-to-peer memcpys through symmetric memory, on the GPUs' copy engines, leaving
     the SMs to the matmuls they overlap with (``lowering/lower_to_symm_mem.py``). Needs CUDA tensors, a
-    torch with symmetric memory, and GPUs with peer access (NVLink)."""
+    torch with symmetric memory, and GPUs with peer access (NVLink). ``"auto"``: per compiled graph, the
+    route measured faster for its groups' size (copy engines over 2 ranks on one host, NCCL otherwise:
+    ``lowering/choose_route.py``), NCCL wherever the copy engines cannot run; the choice and its reason are
+    logged (logger ``fsdp_compile``, and the ``fsdp_compile_all_gather_route`` artifact)."""
 
     memory_plan: bool = True
     """Apply the memory plan (``passes/plan_memory.py``): every all-gather whose output does not outlive its
@@ -111,7 +114,7 @@ class BackendConfig:
             )
             object.__setattr__(self, "max_inflight_grad_reductions", max_inflight_reduce_scatters)
         _check_choice("compiler", self.compiler, ("inductor", "aot_eager"))
-        _check_choice("all_gather", self.all_gather, ("nccl", "copy_engine"))
+        _check_choice("all_gather", self.all_gather, ("nccl", "copy_engine", "auto"))
         for name in ("overlap", "memory_plan", "cudagraphs"):
             _check_bool(name, getattr(self, name))
         _check_int("prefetch", self.prefetch, minimum=0, meaning="units issued ahead")

@@ -5,6 +5,7 @@ numerics and ``tests/test_gpu_overlap.py`` that they run on copy engines, beside
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
@@ -12,7 +13,9 @@ from torch import fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fsdp_compile
+from fsdp_compile._internals import MissingTorchFeature, symm_mem
 from fsdp_compile._slots import slot_hazards
+from fsdp_compile.lowering.choose_route import RouteChoice, choose_all_gather
 from fsdp_compile.lowering.lower_to_symm_mem import SymmMemPlan, apply_symm_mem, plan_symm_mem
 from fsdp_compile.testing.graphs import compile_and_capture
 from fsdp_compile.testing.llama import LLAMA_TINY
@@ -85,8 +88,54 @@ def test_backend_with_copy_engine_all_gathers_refuses_cpu_at_compile_time() -> N
 
 
 def test_bad_all_gather_option() -> None:
-    with pytest.raises(ValueError, match="all_gather must be 'nccl' or 'copy_engine', got 'nvshmem'"):
+    with pytest.raises(ValueError, match="all_gather must be 'nccl' or 'copy_engine' or 'auto', got 'nvshmem'"):
         fsdp_compile.backend(all_gather="nvshmem")
+
+
+def test_auto_all_gathers_by_nccl_on_cpu_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="fsdp_compile"):
+        graphs = compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager", "all_gather": "auto"})
+    assert "all_gather='auto' chose 'nccl': all-gathers on cpu: copy engines need CUDA tensors" in caplog.text
+    targets = {n.target for gm in graphs.values() for n in gm.graph.nodes}
+    assert INTO_SLOT in targets and not targets & {CE, CE_INTO}
+
+
+@pytest.fixture
+def two_gpus_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What choose_all_gather checks, as on one host with 2 GPUs that reach each other, under torchrun."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: True)
+    monkeypatch.setattr(symm_mem, "module", lambda: None)
+
+
+GPU = torch.device("cuda", 0)
+
+
+@pytest.mark.usefixtures("two_gpus_one_host")
+def test_auto_puts_all_gathers_over_2_ranks_on_one_host_on_copy_engines(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert choose_all_gather({2}, {GPU}).route == "copy_engine"
+    assert choose_all_gather({2}, {GPU, torch.device("cpu")}).reason.startswith("all-gathers on cpu, cuda")
+    assert choose_all_gather({2, 4}, {GPU}).reason.startswith("groups of [2, 4] ranks")
+    assert choose_all_gather(set(), set()) == RouteChoice("nccl", "no all-gather in this graph")
+    monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
+    assert choose_all_gather({2}, {GPU}).reason == "GPU 0 has no peer access to every other visible GPU ([1])"
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert choose_all_gather({2}, {GPU}).route == "nccl"
+    monkeypatch.setenv("WORLD_SIZE", "4")  # HSDP over 2 hosts: shard groups of 2, replicas on another host
+    assert "cannot tell that every rank is on this host (LOCAL_WORLD_SIZE=2, WORLD_SIZE=4" in choose_all_gather(
+        {2}, {GPU}).reason
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert choose_all_gather({2}, {GPU}).route == "nccl"
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+
+    def missing() -> None:
+        raise MissingTorchFeature("fsdp_compile needs symmetric memory, which torch x lacks")
+
+    monkeypatch.setattr(symm_mem, "module", missing)
+    assert choose_all_gather({2}, {GPU}) == RouteChoice("nccl", "fsdp_compile needs symmetric memory, which torch x lacks")
 
 
 def _workspace_grown_mid_step(rank: int, world_size: int) -> None:
