@@ -115,13 +115,17 @@ def _schedule_lines(stage: str, plan: dict[str, Any]) -> list[str]:
     head = f"{stage}: {len(gathers)} all-gathers (prefetch {prefetch_of(plan)})"
     if reductions:
         head += f", {len(reductions)} gradient reductions (at most {plan['max_inflight_grad_reductions']} in flight)"
+    stages = plan.get("replica_all_reduces", {})
+    if stages:
+        head += ", each then averaged over the replicas (HSDP: an all-reduce issued one reduction later)"
     lines = [head + (": ORIGINAL ORDER KEPT (no valid schedule)" if kept else "")]
     for i, name in enumerate(gathers):
         ahead = min(i, prefetch_of(plan))
         unit = unit_label(units.get(name, "?"))
         lines.append(f"  all-gather {i + 1:>3}  {unit:<24} {name:<28} issued {ahead} unit(s) ahead")
     for j, name in enumerate(reductions):
-        lines.append(f"  reduction  {j + 1:>3}  {unit_label(units.get(name, '?')):<24} {name}")
+        then = f"  then {', '.join(stages[name])} over the replicas" if name in stages else ""
+        lines.append(f"  reduction  {j + 1:>3}  {unit_label(units.get(name, '?')):<24} {name}{then}")
     lines += [f"  unscheduled: {name} ({why})" for name, why in plan["unscheduled"]]
     return lines
 

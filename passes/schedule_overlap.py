@@ -78,6 +78,9 @@ class OverlapPlan:
     """No valid order was found: the graph keeps its order (nothing is prefetched or overlapped)."""
     units: Mapping[str, str] = field(default_factory=dict)
     """The unit of each scheduled collective (all-gathers, gradient reductions), by name."""
+    replica_all_reduces: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    """HSDP: each gradient reduction's second stage, its all-reduce over the replicas (issued one reduction
+    later, waited for ``max_inflight_grad_reductions`` after that), by name."""
 
     def to_json(self) -> str:
         return plan_json(self, omit=("order",))
@@ -202,6 +205,8 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
         kept_original_order=not valid,
         units={n.name: n.meta.get("custom", {}).get(UNIT, "?") for n in (
             *(ag for _, ag, _, _ in gathers), *(rs for rs, _, _ in scatters))},
+        replica_all_reduces={rs.name: stages for rs, tail, _ in scatters
+                             if (stages := tuple(n.name for n in tail if n.target == ALL_REDUCE))},
     )
 
 

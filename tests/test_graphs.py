@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -10,8 +11,10 @@ import torch.fx as fx
 from torch._dynamo.utils import counters
 
 import fsdp_compile
+from fsdp_compile import explain
 from fsdp_compile._ops import cast_all_gather_differentiable
 from fsdp_compile.passes.insert_collectives import is_marker
+from fsdp_compile.passes.schedule_overlap import plan_overlap
 from fsdp_compile.testing.graphs import compile_and_capture
 from fsdp_compile.testing.llama import LLAMA_TINY, LlamaConfig, save_matmuls
 
@@ -208,16 +211,23 @@ def test_hsdp_reduces_within_the_replica_then_averages_across_replicas_overlappe
     assert len(shard_groups) == 1 and len(replicate_groups) == 1 and shard_groups != replicate_groups
     assert {n.args[1] for n in gathers} == {n.args[2] for n in scatters} == {2}  # the shard dimension's size
     order = {n: i for i, n in enumerate(backward.graph.nodes)}
-    overlapped = 0
+    overlapped, stages = 0, {}
     for reduce in reduces:
         source = reduce.args[0]
         while source.target != WAIT:  # the reduced shard: a view of the reduce-scatter's result
             source = source.args[0]
         assert source.args[0].target == RS
+        stages[source.args[0].name] = (reduce.name,)
         (wait,) = reduce.users
         between = [n for n in backward.graph.nodes if order[reduce] < order[n] < order[wait]]
         overlapped += any(n.op == "call_function" and n.target not in (RS, AR, WAIT) for n in between)
     assert overlapped >= N_UNITS - 2, overlapped
+    # The schedule's plan names each reduction's all-reduce, and explain prints it.
+    plan = plan_overlap(backward.graph, prefetch=1, max_inflight_grad_reductions=limit)
+    assert plan.replica_all_reduces == stages
+    lines = explain._schedule_lines("backward", json.loads(plan.to_json()))
+    assert "each then averaged over the replicas" in lines[0]
+    assert sum(f"then {ar} over the replicas" in line for (ar,) in stages.values() for line in lines) == N_UNITS
 
 
 def test_selective_checkpointing_saves_the_matmuls_not_the_gathered_parameters() -> None:
