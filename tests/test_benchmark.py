@@ -180,3 +180,12 @@ def test_tight_bound_is_the_local_forward_backward_plus_the_sharded_optimizer() 
         r.fwd_bwd_ms, r.sharded_opt_ms, r.repeat = fwd_bwd, sharded, bound.index(r)
     (point,) = points([*bound, _result("fsdp2_eager", {})])
     assert point.tight_bound_ms() == 47.0 and point.row("no_comm_bound").step_range == (10.0, 10.0)
+
+
+def test_the_scaling_model_checks_every_default_path_result_file() -> None:
+    """docs/scaling.md's tables come from ``benchmarks/scaling_model.py``, which reads every
+    ``results/bench_[24]gpu_*.json``: a result file it cannot read (one without the bound) must not land."""
+    proc = subprocess.run([sys.executable, "benchmarks/scaling_model.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CHECK: fsdp_compile" in proc.stdout and "| 0.95B run 22 | 2 | 4096 | 3 |" in proc.stdout
