@@ -21,7 +21,7 @@ import torch.fx as fx
 from torch import nn
 
 from fsdp_compile import _dump, _internals, debug
-from fsdp_compile._agree import agree
+from fsdp_compile._agree import MODEL_HINT, agree
 from fsdp_compile._apply_shard import unsharded_parameter_message
 from fsdp_compile._describe import units_json
 from fsdp_compile._internals import PassPipeline, counters, inductor_config, lifetime
@@ -157,19 +157,28 @@ def _check_parameters_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any])
             raise RuntimeError(unsharded_parameter_message(_internals.placeholder_source(node)))
 
 
-def _agree_on_gathers(plan: CollectivesPlan, unit_inputs: UnitInputsPlan) -> None:
+def _agree_on_gathers(plan: CollectivesPlan, unit_inputs: UnitInputsPlan, route: str) -> None:
     """Before the graph runs, check that every rank compiled the same all-gathers (per process group; HSDP:
-    within the replica and across the replicas)."""
+    within the replica and across the replicas), by the same route where ``all_gather="auto"`` chose it (a
+    rank on NCCL and one on copy engines would wait for each other forever)."""
+    chosen = f" by {route} (all_gather='auto')" if route else ""
     by_group: dict[str, tuple[dist.ProcessGroup, torch.device, list[str]]] = {}
     for gather in plan.gathers:
         state = unit_inputs.units[(gather.graph, gather.shard)]
         for group in state.groups:
-            by_group.setdefault(group.group_name, (group, state.flat.device, []))[2].append(state.describe_gather())
+            entry = by_group.setdefault(group.group_name, (group, state.flat.device, []))
+            entry[2].append(state.describe_gather() + chosen)
+    hint = MODEL_HINT + (
+        "; with all_gather='auto', ranks whose GPUs or environment differ may choose different routes: set "
+        "all_gather='nccl' (or 'copy_engine') to choose for them" if route else "")
     for group, device, gathers in by_group.values():
-        agree(group, device, f"the compiled graph {_internals.current_compile_id()}", gathers)
+        agree(group, device, f"the compiled graph {_internals.current_compile_id()}", gathers, hint)
 
 
-def _insert_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> CollectivesPlan:
+def _insert_collectives(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], all_gather: str
+) -> tuple[CollectivesPlan, str]:
+    """The collectives inserted, and the all-gather route (``"auto"`` resolved here, before the ranks agree)."""
     debug.record("dynamo", gm)
     _check_parameters_sharded(gm, example_inputs)
     unit_inputs = plan_unit_inputs(gm, example_inputs)
@@ -177,7 +186,8 @@ def _insert_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Co
     debug.artifact("units", lambda: units_json(unit_inputs.units.values()))
     debug.artifact("collectives_plan", plan.to_json)
     debug.graph_artifact("insert_collectives_before", gm)
-    _agree_on_gathers(plan, unit_inputs)
+    route = _choose_all_gather(gm, plan) if all_gather == "auto" else all_gather
+    _agree_on_gathers(plan, unit_inputs, route if all_gather == "auto" else "")
 
     def insert(graph: fx.Graph) -> CollectivesPlan:
         apply_collectives(gm, plan)
@@ -190,7 +200,7 @@ def _insert_collectives(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Co
     counters["fsdp_compile"]["all_gathers"] += len(plan.gathers)
     debug.graph_artifact("insert_collectives_after", gm)
     log.info("fsdp_compile: %d units gathered in a graph of %d nodes", len(plan.gathers), len(gm.graph.nodes))
-    return plan
+    return plan, route
 
 
 def _compile(
@@ -208,9 +218,8 @@ def _compile(
 def _compile_dumped(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig, user_settings: dict[str, Any]
 ) -> Callable[..., Any]:
-    plan = _insert_collectives(gm, example_inputs)
-    if config.all_gather == "auto":
-        config = dataclasses.replace(config, all_gather=_choose_all_gather(gm, plan))
+    plan, route = _insert_collectives(gm, example_inputs, config.all_gather)
+    config = dataclasses.replace(config, all_gather=route)
     settings = {**user_settings, **_inductor_settings(config)}
     if settings.get("triton.cudagraphs") and not lifetime.before_destroy("cuda_graphs", lifetime.release_cuda_graphs):
         debug.degraded(

@@ -69,6 +69,27 @@ def test_on_nccl_too_a_rank_with_an_extra_layer_fails_at_once_not_after_the_watc
     spawn_ranks(_extra_layer, 2, compiled, "cuda", backend="nccl")
 
 
+def _auto_chooses_per_rank(rank: int, world_size: int) -> None:
+    from fsdp_compile import _backend
+
+    _backend._choose_all_gather = lambda gm, plan: "copy_engine" if rank == 0 else "nccl"  # as peer access might
+    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager", all_gather="auto"))
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
+    start = time.monotonic()
+    with pytest.raises(BackendCompilerFailed) as error:
+        run(tokens[:, :-1], tokens[:, 1:])
+    assert time.monotonic() - start < FAIL_WITHIN_S
+    message = str(error.value)
+    for part in ("the ranks' collectives differ", "by copy_engine (all_gather='auto')", "by nccl (all_gather='auto')",
+                 "set all_gather='nccl'"):
+        assert part in message, (part, message)
+
+
+def test_ranks_on_which_auto_chose_different_all_gather_routes_fail_instead_of_hanging() -> None:
+    spawn_ranks(_auto_chooses_per_rank, 2)
+
+
 def _rank_dependent_shape(rank: int, world_size: int, compiled: bool) -> None:
     torch.manual_seed(0)
     model = fsdp_compile.shard(ShortInputsSkipTheLastBlock(LLAMA_TINY), units=[Block])
