@@ -133,6 +133,7 @@ def _choose_all_gather(gm: fx.GraphModule, plan: CollectivesPlan) -> str:
     gathers = [g for g in plan.gathers if g.world_size > 1]
     choice = choose_all_gather({g.world_size for g in gathers}, {shards[g.shard].device for g in gathers})
     debug.artifact("all_gather_route", choice.to_json, encoding="json")
+    counters["fsdp_compile"][f"all_gather_auto_{choice.route}"] += 1
     log.info("fsdp_compile: all_gather='auto' chose %r: %s", choice.route, choice.reason)
     return choice.route
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Literal
 
@@ -109,7 +110,8 @@ class Case:
     exchange: bool = True  # MixedPrecision.exchange_grads_in_param_dtype (matters when param_dtype is narrower)
     keep_root_gathered: bool = False  # shard(reshard_after_forward=...) false for the root unit
     cudagraphs: bool = False  # BackendConfig.cudagraphs (CUDA graphs: GPU only)
-    all_gather: Literal["nccl", "copy_engine"] = "nccl"  # BackendConfig.all_gather (copy engines: GPU only)
+    all_gather: Literal["nccl", "copy_engine", "auto"] = "nccl"  # BackendConfig.all_gather (copy engines: GPU only;
+    # auto: under the environment torchrun gives one host, copy engines for groups of 2 GPUs)
     mode: str | None = None  # torch.compile(mode=...)
     memory_plan: bool = True  # BackendConfig.memory_plan: all-gathers into planned slots
     mesh: tuple[int, int] | None = None  # HSDP: shard(mesh=...) on a (replicate, shard) DeviceMesh of this shape
@@ -144,6 +146,8 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
         units = fsdp_compile.sharded_units(model)
         assert {(u.world_size, u.replicas) for u in units} == {(case.mesh[1], case.mesh[0])}
         assert sum(u.flat.numel() for u in units) * case.mesh[1] == sum(u.layout.padded_numel for u in units)
+    if case.all_gather == "auto":  # what torchrun sets on one host (spawn_ranks does not)
+        os.environ.update(LOCAL_WORLD_SIZE=str(world_size), WORLD_SIZE=str(world_size))
     if case.compiler == "eager":
         run = model
     else:
@@ -183,6 +187,10 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
             assert counters["fsdp_compile"]["accumulated_reduce_scatters"] == n_units * (step + 1)
         if case.graph_break:
             assert sum(counters["graph_break"].values()) >= 1, "the test model did not break the graph"
+        if case.all_gather == "auto":
+            shard_ranks = case.mesh[1] if case.mesh else world_size
+            route = "copy_engine" if case.device == "cuda" and shard_ranks == 2 else "nccl"
+            assert counters["fsdp_compile"][f"all_gather_auto_{route}"] >= 1, dict(counters["fsdp_compile"])
 
         global_loss = torch.stack(losses).mean()
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
@@ -334,8 +342,10 @@ def test_parity_world_size_one() -> None:
         (torch.float32, torch.bfloat16, {"cudagraphs": True}),
         (torch.float64, torch.float64, {"all_gather": "copy_engine"}),
         (torch.float32, torch.bfloat16, {"all_gather": "copy_engine", "cudagraphs": True}),
+        (torch.float32, torch.bfloat16, {"all_gather": "auto"}),
     ],
-    ids=["fp64", "bf16-fp32reduce", "bf16-fp32reduce-cudagraphs", "fp64-copy_engine", "bf16-fp32reduce-copy_engine-cudagraphs"],
+    ids=["fp64", "bf16-fp32reduce", "bf16-fp32reduce-cudagraphs", "fp64-copy_engine", "bf16-fp32reduce-copy_engine-cudagraphs",
+         "bf16-fp32reduce-auto"],
 )
 def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype, options: dict) -> None:
     spawn_ranks(_train_and_compare, 2, Case("inductor", dtype, param_dtype, device="cuda", **options), backend="nccl")
@@ -345,8 +355,9 @@ def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype, opti
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs (NCCL)")
 @pytest.mark.parametrize(
     "mesh, options",
-    [(None, {}), (None, {"all_gather": "copy_engine"}), ((2, 2), {}), ((2, 2), {"all_gather": "copy_engine"})],
-    ids=["fsdp-4gpus", "fsdp-copy_engine-4gpus", "hsdp-2x2-4gpus", "hsdp-2x2-copy_engine-4gpus"],
+    [(None, {}), (None, {"all_gather": "copy_engine"}), ((2, 2), {}), ((2, 2), {"all_gather": "copy_engine"}),
+     (None, {"all_gather": "auto"})],
+    ids=["fsdp-4gpus", "fsdp-copy_engine-4gpus", "hsdp-2x2-4gpus", "hsdp-2x2-copy_engine-4gpus", "fsdp-auto-4gpus"],
 )
 def test_parity_nccl_four_gpus(mesh: tuple[int, int] | None, options: dict) -> None:
     case = Case("inductor", torch.float64, torch.float64, device="cuda", mesh=mesh, **options)
