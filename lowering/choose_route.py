@@ -11,11 +11,12 @@ Measured on H100s with NVLink (0.95B Llama-style model, bf16 compute; benchmarks
 
 (step ms, median of 3 runs on 2 GPUs, one run on 4.) Over 2 ranks the copy engines win (one peer copy per
 all-gather, the SMs left to the matmuls) or tie (1024 without CUDA graphs: runs of 36.5-54.6 ms against
-45.6-48.1, a launch-bound step); over 4
-each all-gather is 3 peer copies and two barriers, and NCCL wins. The measured all-gathers were 0.1-131 MB
-(every unit of the model, the 4 KB root unit included), so the choice goes by the group's size, not the
-collective's. Anything the copy engines need and cannot be checked for (CUDA tensors, symmetric memory in
-this torch, every rank on this host, peer access between its GPUs) falls back to NCCL, with the reason.
+45.6-48.1, a launch-bound step); over 4 each all-gather is 3 peer copies and two barriers, and NCCL wins.
+The measured all-gathers were 4 KB (the root unit) to 131 MB, every unit on the same route, so the choice
+goes by the group's size, not the collective's. Anything the copy engines need and cannot be checked for
+(CUDA tensors, symmetric memory in this torch, every rank on this host, peer access between its GPUs)
+falls back to NCCL, with the reason. The ranks then agree on the route like on the collectives
+(``fsdp_compile/_agree.py``): ranks that chose differently raise instead of waiting for each other.
 """
 
 from __future__ import annotations
