@@ -362,3 +362,15 @@ def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype, opti
 def test_parity_nccl_four_gpus(mesh: tuple[int, int] | None, options: dict) -> None:
     case = Case("inductor", torch.float64, torch.float64, device="cuda", mesh=mesh, **options)
     spawn_ranks(_train_and_compare, 4, case, backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 8, reason="needs 8 CUDA GPUs (NCCL)")
+@pytest.mark.parametrize(
+    "mesh, options",
+    [(None, {}), (None, {"all_gather": "copy_engine"}), ((2, 4), {}), ((4, 2), {"all_gather": "auto"})],
+    ids=["fsdp-8gpus", "fsdp-copy_engine-8gpus", "hsdp-2x4-8gpus", "hsdp-4x2-auto-8gpus"],
+)
+def test_parity_nccl_eight_gpus(mesh: tuple[int, int] | None, options: dict) -> None:
+    case = Case("inductor", torch.float64, torch.float64, device="cuda", mesh=mesh, **options)
+    spawn_ranks(_train_and_compare, 8, case, backend="nccl")
