@@ -34,6 +34,7 @@ from fsdp_compile.lowering.lower_to_symm_mem import (
 )
 from fsdp_compile.passes.insert_collectives import (
     CollectivesPlan,
+    UnitGather,
     apply_collectives,
     plan_collectives,
 )
@@ -127,11 +128,16 @@ def _partition_resharded(joint: fx.GraphModule, joint_inputs: Sequence[Any], **k
     return _internals.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
+def _sharded_gathers(gm: fx.GraphModule, plan: CollectivesPlan) -> list[tuple[UnitGather, torch.Tensor]]:
+    """The graph's all-gathers over more than one rank, each with its flat shard's example value."""
+    shards = {n.name: n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")}
+    return [(g, shards[g.shard]) for g in plan.gathers if g.world_size > 1]
+
+
 def _choose_all_gather(gm: fx.GraphModule, plan: CollectivesPlan) -> str:
     """``all_gather="auto"``: the route for this graph's all-gathers (``lowering/choose_route.py``), logged."""
-    shards = {n.name: n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")}
-    gathers = [g for g in plan.gathers if g.world_size > 1]
-    choice = choose_all_gather({g.world_size for g in gathers}, {shards[g.shard].device for g in gathers})
+    gathers = _sharded_gathers(gm, plan)
+    choice = choose_all_gather({g.world_size for g, _ in gathers}, {shard.device for _, shard in gathers})
     debug.artifact("all_gather_route", choice.to_json, encoding="json")
     counters["fsdp_compile"][f"all_gather_auto_{choice.route}"] += 1
     log.info("fsdp_compile: all_gather='auto' chose %r: %s", choice.route, choice.reason)
@@ -140,11 +146,9 @@ def _choose_all_gather(gm: fx.GraphModule, plan: CollectivesPlan) -> str:
 
 def _reserve_workspaces(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
     """Size each group's copy-engine workspace to its largest shard, in param_dtype, before any graph runs."""
-    shards = {n.name: n.meta["example_value"] for n in gm.graph.find_nodes(op="placeholder")}
     by_group: dict[str, list[tuple[int, Any]]] = {}
-    for gather in plan.gathers:
-        shard = shards[gather.shard]
-        if gather.world_size > 1 and shard.device.type == "cuda":  # others: lower_to_symm_mem refuses them
+    for gather, shard in _sharded_gathers(gm, plan):
+        if shard.device.type == "cuda":  # others: lower_to_symm_mem refuses them
             by_group.setdefault(gather.group_name, []).append((shard.numel(), gather.param_dtype))
     for group_name, group_shards in sorted(by_group.items()):
         reserve_workspace(group_name, workspace_nbytes(group_shards))

@@ -1,10 +1,17 @@
-"""Time intervals (start, end), for reading profiler traces: their union, total length and overlap."""
+"""Reading profiler traces: which GPU events communicate, and time intervals (start, end): their union, total
+length and overlap."""
 
 from __future__ import annotations
 
-__all__ = ["Intervals", "intersect", "length", "union"]
+__all__ = ["Intervals", "intersect", "is_communication", "length", "union"]
 
 Intervals = list[tuple[float, float]]
+
+
+def is_communication(kernel_name: str) -> bool:
+    """A NCCL kernel or a peer-to-peer copy (of a GPU trace's kernels and copies; Inductor names its own
+    kernels after the ops they fuse, e.g. ``triton_poi_fused_all_gather_into_tensor_0``, a cast: not these)."""
+    return "nccl" in kernel_name.lower() or "PtoP" in kernel_name
 
 
 def union(intervals: Intervals) -> Intervals:

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 __all__ = ["ParamSlot", "UnitLayout", "plan_layout", "unit_label"]
 
+
 def unit_label(fqn: str) -> str:
     """How messages, tables and pictures name a unit: its fully qualified name, ``<root>`` for the root's ("")."""
     return fqn or "<root>"

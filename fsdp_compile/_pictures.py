@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any
 
-from fsdp_compile._intervals import Intervals, intersect, length, union
+from fsdp_compile._intervals import Intervals, intersect, is_communication, length, union
 from fsdp_compile._layout import unit_label
 
 __all__ = ["Measured", "exposed_by_unit", "memory_svg", "prefetch_of", "read_trace", "timeline_svg"]
@@ -24,9 +24,6 @@ WIDTH, LANE, LEFT = 1200, 34, 150
 COLORS = {"compute": "#4e79a7", "gather": "#59a14f", "exposed": "#e15759", "reduce": "#f28e2b", "measured": "#b07aa1"}
 _GATHER = re.compile(r"all_?gather|PtoP", re.IGNORECASE)
 _REDUCE = re.compile(r"reduce_?scatter|all_?to_?all|sendrecv|all_?reduce", re.IGNORECASE)
-_DEVICE_COMM = re.compile(r"^nccl|Memcpy PtoP", re.IGNORECASE)
-"""On a GPU trace only NCCL's kernels and peer copies communicate: Inductor names its fused kernels after the
-ops they hold (``triton_poi_fused_all_gather_into_tensor_0`` casts a shard into an all-gather's input)."""
 
 
 def _svg(height: float, body: list[str], title: str) -> str:
@@ -129,8 +126,8 @@ def memory_svg(name: str, plan: dict[str, Any]) -> str:
 @dataclass(frozen=True)
 class Measured:
     """A profiler trace, read once: its GPU kernels and copies, or, in a trace without any (CPU), its host
-    ops; of those, the collectives (outermost only: host ops nest, one collective is several ops) in start
-    order, and the union of the rest (compute)."""
+    ops; of those, the collectives in start order (:func:`read_trace` says which), and the union of the rest
+    (compute)."""
 
     path: str
     events: list[Event]
@@ -149,21 +146,25 @@ def read_trace(path: str) -> Measured:
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy")]
     chosen = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
               for e in device or [e for e in events if e.get("cat") == "cpu_op"]]
+    collectives: list[Event] = []
+    others: Intervals = []
+    for e in chosen:
+        if _is_collective(e[0], bool(device)):
+            collectives.append(e)
+        elif "wait" not in e[0]:
+            others.append((e[1], e[2]))
     comm: list[Event] = []
-    for e in sorted(chosen, key=lambda e: (e[1], -e[2])):
-        if not _is_collective(e[0], bool(device)):
-            continue
+    for e in sorted(collectives, key=lambda e: (e[1], -e[2])):
         if comm and e[1] < comm[-1][2] and _kind(e[0]) == _kind(comm[-1][0]):
             comm[-1] = (comm[-1][0], comm[-1][1], max(comm[-1][2], e[2]))
         else:
             comm.append(e)
-    compute = union([(s, t) for n, s, t in chosen if not _is_collective(n, bool(device)) and "wait" not in n])
-    return Measured(path, chosen, bool(device), comm, compute)
+    return Measured(path, chosen, bool(device), comm, union(others))
 
 
 def _is_collective(name: str, device: bool) -> bool:
     named = bool(_GATHER.search(name) or _REDUCE.search(name)) and "wait" not in name
-    return named and (not device or bool(_DEVICE_COMM.search(name)))
+    return named and (not device or is_communication(name))
 
 
 def _kind(name: str) -> str:

@@ -8,13 +8,9 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fsdp_compile._intervals import intersect, length, union
+from fsdp_compile._intervals import intersect, is_communication, length, union
 
 __all__ = ["communication_overlap", "gpu_activity", "intersect", "is_communication", "length", "trace_steps", "union"]
-
-def is_communication(kernel_name: str) -> bool:
-    """A NCCL kernel or a peer-to-peer copy."""
-    return "nccl" in kernel_name.lower() or "PtoP" in kernel_name
 
 
 def gpu_activity(trace_path: str) -> list[tuple[str, float, float]]:
