@@ -23,7 +23,9 @@ projection, which backward needs first, is not resharded after forward):
 - ``fsdp_compile`` and its variants (``FSDP_COMPILE_VARIANTS``: one line each), among them
   ``fsdp_compile_cudagraphs`` (``backend(cudagraphs=True)``: no launch overhead) and
   ``fsdp_compile_copy_engine`` (``backend(all_gather="copy_engine")``: all-gathers off the SMs; GPU only) and
-  ``fsdp_compile_auto`` (``backend(all_gather="auto")``: the route measured faster for the group's size).
+  ``fsdp_compile_auto`` (``backend(all_gather="auto")``: the route measured faster for the group's size) and
+  ``fsdp_compile_copy_engine_exchange`` (``all_gather="copy_engine", grad_reduce="copy_engine"``: no collective
+  on the SMs; GPU only).
 - HSDP as on two nodes, on a ``(replicate, shard)`` mesh of shape (2, ranks / 2) (4 ranks or more; left out of
   the defaults below): ``fsdp2_compile_hsdp`` (``fsdp2_compile`` with ``fully_shard(mesh=...)``) and
   ``fsdp_compile_hsdp`` (``shard(mesh=...)``).
@@ -124,12 +126,17 @@ FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fsdp_compile_copy_engine_unplanned": ({"all_gather": "copy_engine", "memory_plan": False}, {}),
     "fsdp_compile_auto": ({"all_gather": "auto"}, {}),
     "fsdp_compile_auto_cudagraphs": ({"all_gather": "auto", "cudagraphs": True}, {}),
+    "fsdp_compile_copy_engine_exchange": ({"all_gather": "copy_engine", "grad_reduce": "copy_engine"}, {}),
+    "fsdp_compile_copy_engine_exchange_cudagraphs": (
+        {"all_gather": "copy_engine", "grad_reduce": "copy_engine", "cudagraphs": True}, {}
+    ),
+    "fsdp_compile_nccl_gather_copy_engine_exchange": ({"grad_reduce": "copy_engine"}, {}),
 }
 """fsdp_compile variants: name -> (``fsdp_compile.backend(**options)``, ``MixedPrecision(**options)`` beyond
 bf16/fp32). Add one line per new variant."""
 GPU_ONLY = {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items()
-            if options.get("all_gather") in ("copy_engine", "auto")}
-"""Left out of the default systems on CPU (copy-engine all-gathers need GPUs; ``auto`` is NCCL there, the
+            if {options.get("all_gather"), options.get("grad_reduce")} & {"copy_engine", "auto"}}
+"""Left out of the default systems on CPU (copy-engine collectives need GPUs; ``auto`` is NCCL there, the
 ``fsdp_compile`` row again)."""
 CUDA_GRAPHS = {"no_comm_bound_cudagraphs"} | {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items() if options.get("cudagraphs")}
 """Systems whose peak ``max_memory_allocated`` leaves out the CUDA graphs' memory pool (not comparable)."""

@@ -1,8 +1,8 @@
 """Train a small Llama-style model with fsdp_compile, and check it against the unsharded model.
 
     python examples/train.py                          # CPU: spawns 2 gloo ranks by itself (~1 min)
-    torchrun --nproc_per_node 2 examples/train.py     # GPUs: NCCL, bf16 params, fp32 reduce-scatter
-    torchrun --nproc_per_node 2 examples/train.py --cudagraphs --all-gather copy_engine   # GPU options
+    torchrun --nproc_per_node 2 examples/train.py     # GPUs: NCCL, bf16 params, fp32 gradient sums
+    torchrun --nproc_per_node 2 examples/train.py --cudagraphs --all-gather copy_engine --grad-reduce copy_engine
     python examples/train.py --replicas 2             # HSDP: 4 CPU ranks, sharded over pairs, 2 replicas
     torchrun --nproc_per_node 4 examples/train.py --replicas 2   # HSDP 2 x 2 on 4 GPUs
 
@@ -46,7 +46,8 @@ def train(rank: int, world_size: int, steps: int, options: dict[str, object], re
     # HSDP with replicas > 1: a (replicate, shard) mesh, as FSDP2's; gradients are averaged over all ranks.
     shape = (replicas, world_size // replicas)
     mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard")) if replicas > 1 else None
-    fsdp_compile.shard(model, units=[Block], mesh=mesh, mp=fsdp_compile.MixedPrecision(param_dtype=param_dtype))
+    mp = fsdp_compile.MixedPrecision(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    fsdp_compile.shard(model, units=[Block], mesh=mesh, mp=mp)
     compiled = torch.compile(model, backend=fsdp_compile.backend(**options))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=1e-3)
@@ -90,10 +91,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Train a small Llama-style model with fsdp_compile.")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cudagraphs", action="store_true", help="Inductor's CUDA graphs (GPUs)")
-    parser.add_argument("--all-gather", choices=["nccl", "copy_engine"], default="nccl", help="the all-gathers' route")
+    parser.add_argument("--all-gather", choices=["nccl", "copy_engine", "auto"], default="nccl",
+                        help="the all-gathers' route")
+    parser.add_argument("--grad-reduce", choices=["nccl", "copy_engine", "auto"], default="nccl",
+                        help="the gradient exchanges' route")
     parser.add_argument("--replicas", type=int, default=1, help="HSDP: shard over world size / replicas ranks")
     args = parser.parse_args()
-    options = {"cudagraphs": args.cudagraphs, "all_gather": args.all_gather}
+    options = {"cudagraphs": args.cudagraphs, "all_gather": args.all_gather, "grad_reduce": args.grad_reduce}
     world_size = int(os.environ.get("WORLD_SIZE", 2 * args.replicas))
     if args.replicas < 1 or world_size % args.replicas:
         parser.error(f"--replicas must divide the number of ranks ({world_size}), got {args.replicas}")

@@ -2,7 +2,7 @@
 
 Pipeline ([Note: pass order] in docs/architecture.md): ``map_units`` -> ``insert_collectives`` on the
 Dynamo graph; AOTAutograd with ``reshard_after_forward`` on the joint graph before partitioning;
-``schedule_overlap``, ``plan_memory``, then (with ``all_gather="copy_engine"``) ``lower_to_symm_mem``, on the
+``schedule_overlap``, ``plan_memory``, then (with a ``"copy_engine"`` route) ``lower_to_symm_mem``, on the
 forward and backward graphs (Inductor's post-grad graphs, or the AOT graphs under ``aot_eager``); Inductor
 (or ``aot_eager``) compiles them.
 """
@@ -26,7 +26,7 @@ from fsdp_compile._apply_shard import unsharded_parameter_message
 from fsdp_compile._describe import units_json
 from fsdp_compile._internals import PassPipeline, counters, inductor_config, lifetime
 from fsdp_compile.config import BackendConfig
-from fsdp_compile.lowering.choose_route import choose_all_gather
+from fsdp_compile.lowering.choose_route import RouteChoice, choose_all_gather
 from fsdp_compile.lowering.lower_to_symm_mem import (
     LowerToSymmMem,
     reserve_workspace,
@@ -54,11 +54,12 @@ def _post_grad_passes(config: BackendConfig) -> PassPipeline:
         passes.append(
             ScheduleOverlap(prefetch=config.prefetch, max_inflight_grad_reductions=config.max_inflight_grad_reductions)
         )
-    passes.append(
-        PlanMemory(apply=config.memory_plan, symmetric=config.all_gather == "copy_engine", cudagraphs=config.cudagraphs)
-    )
-    if config.all_gather == "copy_engine":
-        passes.append(LowerToSymmMem())
+    gathers, exchanges = config.all_gather == "copy_engine", config.grad_reduce == "copy_engine"
+    passes.append(PlanMemory(  # NCCL's exchanges stay in Inductor's buffers: slotted, a 0.95B CUDA-graph run hung
+        apply=config.memory_plan, symmetric=gathers or exchanges, cudagraphs=config.cudagraphs, exchanges=exchanges
+    ))
+    if gathers or exchanges:
+        passes.append(LowerToSymmMem(all_gather=gathers, grad_reduce=exchanges))
     return PassPipeline(passes)
 
 
@@ -68,6 +69,11 @@ def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
     at its use again); CUDA graphs when asked for."""
     settings: dict[str, Any] = {"joint_custom_pre_pass": ReshardAfterForward()}
     if _dump.active():  # a graph from Inductor's caches would run no pass and log nothing to dump
+        settings["force_disable_caches"] = True
+    if config.cudagraphs and "copy_engine" in (config.all_gather, config.grad_reduce):
+        # A graph from the caches runs no pass, so its symmetric slab is reserved at its first run, inside the
+        # CUDA graphs' warm-up, where the rendezvous's device-side tables land in the graphs' memory pool (which
+        # Inductor then refuses: "tensor(s) in the cudagraph pool not tracked as outputs"): compile afresh.
         settings["force_disable_caches"] = True
     if config.cudagraphs:
         settings["triton.cudagraphs"] = True
@@ -134,14 +140,33 @@ def _sharded_gathers(gm: fx.GraphModule, plan: CollectivesPlan) -> list[tuple[Un
     return [(g, shards[g.shard]) for g in plan.gathers if g.world_size > 1]
 
 
-def _choose_all_gather(gm: fx.GraphModule, plan: CollectivesPlan) -> str:
-    """``all_gather="auto"``: the route for this graph's all-gathers (``lowering/choose_route.py``), logged."""
+def _choose_routes(gm: fx.GraphModule, plan: CollectivesPlan, config: BackendConfig) -> BackendConfig:
+    """``all_gather="auto"``, ``grad_reduce="auto"``: the route for this graph's collectives
+    (``lowering/choose_route.py``), logged; a fixed ``grad_reduce="copy_engine"`` is checked against the units."""
     gathers = _sharded_gathers(gm, plan)
+    reduce_scatters = sorted({g.unit for g, _ in gathers if g.grad_reduction == "reduce_scatter"})
+    if config.grad_reduce == "copy_engine" and reduce_scatters:
+        raise ValueError(
+            f"grad_reduce='copy_engine' runs the gradient exchanges (gradients in param_dtype, summed in "
+            f"reduce_dtype) on copy engines, but units {reduce_scatters} reduce-scatter instead (their reduce_dtype "
+            "is their param_dtype, or MixedPrecision(exchange_grads_in_param_dtype=False)): use grad_reduce='nccl' "
+            "or 'auto' for them"
+        )
+    if "auto" not in (config.all_gather, config.grad_reduce):
+        return config
     choice = choose_all_gather({g.world_size for g, _ in gathers}, {shard.device for _, shard in gathers})
     debug.artifact("all_gather_route", choice.to_json, encoding="json")
-    counters["fsdp_compile"][f"all_gather_auto_{choice.route}"] += 1
-    log.info("fsdp_compile: all_gather='auto' chose %r: %s", choice.route, choice.reason)
-    return choice.route
+    routes = {}
+    for option in ("all_gather", "grad_reduce"):
+        if getattr(config, option) != "auto":
+            continue
+        chosen = choice
+        if option == "grad_reduce" and choice.route == "copy_engine" and not config.memory_plan:
+            chosen = RouteChoice("nccl", "memory_plan=False: no planned slots to push the gradients into")
+        routes[option] = chosen.route
+        counters["fsdp_compile"][f"{option}_auto_{chosen.route}"] += 1
+        log.info("fsdp_compile: %s='auto' chose %r: %s", option, chosen.route, chosen.reason)
+    return dataclasses.replace(config, **routes)
 
 
 def _reserve_workspaces(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
@@ -164,9 +189,9 @@ def _check_parameters_sharded(gm: fx.GraphModule, example_inputs: Sequence[Any])
 
 def _agree_on_gathers(plan: CollectivesPlan, unit_inputs: UnitInputsPlan, route: str) -> None:
     """Before the graph runs, check that every rank compiled the same all-gathers (per process group; HSDP:
-    within the replica and across the replicas), by the same route where ``all_gather="auto"`` chose it (a
-    rank on NCCL and one on copy engines would wait for each other forever)."""
-    chosen = f" by {route} (all_gather='auto')" if route else ""
+    within the replica and across the replicas), by the same routes where ``"auto"`` chose them (a rank on
+    NCCL and one on copy engines would wait for each other forever)."""
+    chosen = f" by {route} ('auto')" if route else ""
     by_group: dict[str, tuple[dist.ProcessGroup, torch.device, list[str]]] = {}
     for gather in plan.gathers:
         state = unit_inputs.units[(gather.graph, gather.shard)]
@@ -174,16 +199,17 @@ def _agree_on_gathers(plan: CollectivesPlan, unit_inputs: UnitInputsPlan, route:
             entry = by_group.setdefault(group.group_name, (group, state.flat.device, []))
             entry[2].append(state.describe_gather() + chosen)
     hint = MODEL_HINT + (
-        "; with all_gather='auto', ranks whose GPUs or environment differ may choose different routes: set "
-        "all_gather='nccl' (or 'copy_engine') to choose for them" if route else "")
+        "; with all_gather='auto' or grad_reduce='auto', ranks whose GPUs or environment differ may choose "
+        "different routes: set 'nccl' (or 'copy_engine') to choose for them" if route else "")
     for group, device, gathers in by_group.values():
         agree(group, device, f"the compiled graph {_internals.current_compile_id()}", gathers, hint)
 
 
 def _insert_collectives(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], all_gather: str
-) -> tuple[CollectivesPlan, str]:
-    """The collectives inserted, and the all-gather route (``"auto"`` resolved here, before the ranks agree)."""
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig
+) -> tuple[CollectivesPlan, BackendConfig]:
+    """The collectives inserted, and ``config`` with the routes ``"auto"`` chose (resolved here, before the
+    ranks agree)."""
     debug.record("dynamo", gm)
     _check_parameters_sharded(gm, example_inputs)
     unit_inputs = plan_unit_inputs(gm, example_inputs)
@@ -191,8 +217,9 @@ def _insert_collectives(
     debug.artifact("units", lambda: units_json(unit_inputs.units.values()))
     debug.artifact("collectives_plan", plan.to_json)
     debug.graph_artifact("insert_collectives_before", gm)
-    route = _choose_all_gather(gm, plan) if all_gather == "auto" else all_gather
-    _agree_on_gathers(plan, unit_inputs, route if all_gather == "auto" else "")
+    routed = _choose_routes(gm, plan, config)
+    auto = "auto" in (config.all_gather, config.grad_reduce)
+    _agree_on_gathers(plan, unit_inputs, f"{routed.all_gather}/{routed.grad_reduce}" if auto else "")
 
     def insert(graph: fx.Graph) -> CollectivesPlan:
         apply_collectives(gm, plan)
@@ -205,7 +232,7 @@ def _insert_collectives(
     counters["fsdp_compile"]["all_gathers"] += len(plan.gathers)
     debug.graph_artifact("insert_collectives_after", gm)
     log.info("fsdp_compile: %d units gathered in a graph of %d nodes", len(plan.gathers), len(gm.graph.nodes))
-    return plan, route
+    return plan, routed
 
 
 def _compile(
@@ -223,8 +250,7 @@ def _compile(
 def _compile_dumped(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig, user_settings: dict[str, Any]
 ) -> Callable[..., Any]:
-    plan, route = _insert_collectives(gm, example_inputs, config.all_gather)
-    config = dataclasses.replace(config, all_gather=route)
+    plan, config = _insert_collectives(gm, example_inputs, config)
     settings = {**user_settings, **_inductor_settings(config)}
     if settings.get("triton.cudagraphs") and not lifetime.before_destroy("cuda_graphs", lifetime.release_cuda_graphs):
         debug.degraded(

@@ -22,6 +22,7 @@ __all__ = [
     "ALL_GATHER",
     "ALL_REDUCE",
     "CASTS",
+    "EXCHANGE",
     "GRAD_REDUCTIONS",
     "GraphPass",
     "WAIT",
@@ -39,7 +40,9 @@ log = logging.getLogger(__name__)
 _c10d = _internals.c10d_functional
 ALL_GATHER = _c10d.all_gather_into_tensor.default
 WAIT = _c10d.wait_tensor.default
-GRAD_REDUCTIONS = (_c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default)
+EXCHANGE = _c10d.all_to_all_single.default
+"""A unit's gradient exchange (gradients travel in param_dtype; each rank sums its parts in reduce_dtype)."""
+GRAD_REDUCTIONS = (_c10d.reduce_scatter_tensor.default, EXCHANGE)
 """A unit's gradient reduction: a reduce-scatter, or an all-to-all (gradients exchanged in param_dtype); with
 HSDP, followed by an ``ALL_REDUCE`` of the reduced shard over the replicas."""
 ALL_REDUCE = _c10d.all_reduce.default

@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch.fx as fx
 
-from fsdp_compile._graph import ALL_GATHER, GRAD_REDUCTIONS, WAIT, nbytes, wait_of
+from fsdp_compile._graph import ALL_GATHER, EXCHANGE, GRAD_REDUCTIONS, WAIT, nbytes, wait_of
 from fsdp_compile._internals import is_view_op
 
 __all__ = ["Buffer", "ForwardBuffers", "Kind", "forward_buffers", "last_read", "step_buffers"]
@@ -40,6 +40,9 @@ class Buffer:
     escapes: bool = False
     """An output of its graph aliases it (a unit kept gathered for backward): it is read after its graph ends,
     when another graph (or another run of the same one) may use the slots, so it never takes a slot."""
+    in_slab: bool = True
+    """Whether applying the plan puts the buffer in its slot: all-gather outputs and gradient exchanges (the
+    all-to-all's output); a reduce-scatter's input is planned but stays where Inductor puts it."""
 
     @property
     def klass(self) -> tuple[str, str, str]:
@@ -110,9 +113,12 @@ def _graph_buffers(graph: fx.Graph, stage: str, offset: int) -> tuple[tuple[Buff
         elif node.target in GRAD_REDUCTIONS:
             wait = wait_of(node)
             start = index[source] if source.op != "placeholder" else offset
+            last = index[wait] if wait is not None else end
+            if node.target == EXCHANGE:  # its output, as big, takes the slot: live to its last read too
+                last = max(last, last_read(node, index, end))
             buffers.append(
                 Buffer(f"{stage}/{node.name}", str(node.args[-1]), str(source.meta["val"].dtype), "gradient",
-                       nbytes(source), start, index[wait] if wait is not None else end)
+                       nbytes(source), start, last, in_slab=node.target == EXCHANGE)
             )
     return tuple(buffers), tuple(saved)
 

@@ -1,13 +1,15 @@
 """The memory plan's slots in a graph and at run time: one allocation (a slab) per process group and device
-holds the group's gathered slots, the op ``fsdp_compile::slot`` hands a compiled graph one slot of it, and
-each all-gather writes into its slot (``fsdp_compile::all_gather_into_slot``) instead of a buffer of its own
-([Note: memory plan] in docs/architecture.md).
+holds the group's slots, the op ``fsdp_compile::slot`` hands a compiled graph one slot of it, and each
+all-gather and gradient exchange writes into its slot (``fsdp_compile::all_gather_into_slot``,
+``fsdp_compile::exchange_into_slot``) instead of a buffer of its own ([Note: memory plan] in
+docs/architecture.md).
 
 A slab is plain memory, or symmetric memory (``torch.distributed._symmetric_memory``, rendezvoused once) for
-the copy-engine all-gather, which reads the peers' slots. Every graph lays its slots out from the slab's
-start: graphs run one after another and no slotted buffer outlives its graph, so they share the memory. Each
-slot is handed out as a tensor of its own storage (same memory, through DLPack): c10d keys in-flight
-collectives by storage, so the wait for one slot's all-gather must not wait for another slot's.
+the copy-engine routes, which read (all-gather) or write (exchange) the peers' slots. Every graph lays its
+slots out from the slab's start: graphs run one after another and no slotted buffer outlives its graph, so
+they share the memory. Each slot is handed out as a tensor of its own storage (same memory, through
+DLPack): c10d keys in-flight collectives by storage, so the wait for one slot's collective must not wait for
+another slot's.
 """
 
 from __future__ import annotations
@@ -19,17 +21,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 
 from fsdp_compile import _internals
-from fsdp_compile._graph import ALL_GATHER, CASTS, lint_and_recompile
+from fsdp_compile._graph import ALL_GATHER, CASTS, EXCHANGE, lint_and_recompile
 from fsdp_compile._internals import lifetime, symm_mem
 from fsdp_compile._liveness import last_read
 
 __all__ = [
-    "INTO_SLOT", "SLOT", "Slab", "SlotUse", "all_gather_into_slot", "release_slabs", "reserve_slab", "slab_bytes",
-    "slab_of", "slot",
-    "slot_hazards", "write_into_slots",
+    "EXCHANGE_INTO_SLOT", "INTO_SLOT", "SLOT", "Slab", "SlotUse", "WAIT_EXCHANGE", "all_gather_into_slot",
+    "exchange_into_slot", "release_slabs", "reserve_slab", "slab_bytes", "slab_of", "slot", "slot_hazards",
+    "wait_exchange", "write_into_slots",
 ]
 
 log = logging.getLogger(__name__)
@@ -43,21 +46,28 @@ class Slab:
     """The symmetric-memory handle (peers' buffers, barriers), or None for plain memory."""
     slots: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     """(byte offset, numel, dtype) -> the slot's tensor."""
-    _peer_parts: dict[tuple[int, int, torch.dtype], list[tuple[torch.Tensor, torch.Tensor]]] = field(
-        default_factory=dict
-    )
+    _peer_parts: dict[tuple[str, int, int, torch.dtype], list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
 
     def peer_parts(self, gathered: torch.Tensor, group_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """For an all-gather's output ``gathered`` in this (symmetric) slab: (the peer's part in ``gathered``,
-        the same part in the peer's slab) for every peer, made once per place (the slabs have one layout)."""
-        key = (gathered.data_ptr() - self.memory.data_ptr(), gathered.numel(), gathered.dtype)
+        the same part in the peer's slab) for every peer: the parts to pull."""
+        mine = gathered.view(group_size, -1)
+        return [(mine[peer], theirs) for peer, theirs in self._parts("pull", gathered, group_size)]
+
+    def pushed_parts(self, exchanged: torch.Tensor, group_size: int) -> list[tuple[int, torch.Tensor]]:
+        """For an exchange's output ``exchanged`` in this (symmetric) slab: (peer, this rank's part of the same
+        place in the peer's slab) for every peer: where to push the peer's part of this rank's gradient."""
+        return self._parts("push", exchanged, group_size)
+
+    def _parts(self, way: str, tensor: torch.Tensor, group_size: int) -> list[tuple[int, torch.Tensor]]:
+        """Views of the peers' slabs, made once per place (the slabs have one layout on every rank)."""
+        key = (way, tensor.data_ptr() - self.memory.data_ptr(), tensor.numel(), tensor.dtype)
         if key not in self._peer_parts:
-            start, part = key[0] // gathered.element_size(), gathered.numel() // group_size
-            mine = gathered.view(group_size, part)
-            self._peer_parts[key] = [
-                (mine[peer], self.handle.get_buffer(peer, (part,), gathered.dtype, start + peer * part))
-                for peer in range(group_size) if peer != self.handle.rank
-            ]
+            start, part = key[1] // tensor.element_size(), tensor.numel() // group_size
+            rank = self.handle.rank
+            where = {peer: start + (peer if way == "pull" else rank) * part for peer in range(group_size)}
+            peers = [peer for peer in where if peer != rank]
+            self._peer_parts[key] = [(p, self.handle.get_buffer(p, (part,), tensor.dtype, where[p])) for p in peers]
         return self._peer_parts[key]
 
 
@@ -151,11 +161,11 @@ def slot(
 SLOT = slot
 _internals.lower_with_persistent_output(SLOT)
 
-INTO_SLOT_SCHEMA = "(Tensor shard, SymInt group_size, str group_name, Tensor(a!) out) -> ()"
-"""An all-gather into a slot (``all_gather_into_slot`` and the lowering's routes): ``out`` is written in place."""
+INTO_SLOT_SCHEMA = "(Tensor input, SymInt group_size, str group_name, Tensor(a!) out) -> ()"
+"""A collective into a slot (an all-gather, an exchange, and their routes): ``out`` is written in place."""
 
 
-def into_slot_fake(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
+def into_slot_fake(input: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
     return None
 
 
@@ -173,6 +183,31 @@ def all_gather_into_slot(shard: torch.Tensor, group_size: int, group_name: str, 
 INTO_SLOT = all_gather_into_slot
 
 
+@_internals.step_op("fsdp_compile::exchange_into_slot", INTO_SLOT_SCHEMA, into_slot_fake)
+def exchange_into_slot(gradient: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
+    """The gradient exchange (``all_to_all_single`` with equal splits) of ``gradient`` into ``out``, a slot:
+    part ``i`` of ``out`` is rank ``i``'s part for this rank. Wait with ``wait_exchange(out, gradient)``, which
+    also keeps ``gradient`` from being freed or reused while the collective may still read it."""
+    work = dist.all_to_all_single(out, gradient, group=_internals.group_named(group_name), async_op=True)
+    _internals.register_work(out, work)
+
+
+def _wait_exchange_fake(out: torch.Tensor, gradient: torch.Tensor) -> None:
+    return None
+
+
+@_internals.step_op("fsdp_compile::wait_exchange", "(Tensor(a!) out, Tensor gradient) -> ()", _wait_exchange_fake)
+def wait_exchange(out: torch.Tensor, gradient: torch.Tensor) -> None:
+    """``wait_tensor(out)`` for an exchange into a slot. ``gradient`` is an argument only so that the compiled
+    graph keeps it until here (Inductor frees or reuses a buffer after its last reader, not knowing that a
+    collective on another stream still reads it); ``out`` is "mutated" so that every read of it comes after."""
+    _internals.c10d_functional.wait_tensor(out)
+
+
+EXCHANGE_INTO_SLOT = exchange_into_slot
+WAIT_EXCHANGE = wait_exchange
+
+
 @dataclass(frozen=True)
 class SlotUse:
     """One slot as one graph uses it."""
@@ -182,41 +217,60 @@ class SlotUse:
     """Bytes, in the group's slab."""
     nbytes: int
     slab_bytes: int
-    gathers: tuple[str, ...]
-    """The graph's all-gathers whose outputs the slot holds, by node name."""
+    collectives: tuple[str, ...]
+    """The graph's collectives whose buffers the slot holds (all-gathers or exchanges), by node name."""
 
 
 def write_into_slots(gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: bool, keep_old: bool) -> None:
-    """Each slot becomes one ``slot`` node at the graph's start; each of its all-gathers becomes
-    ``all_gather_into_slot`` into a view of it, which Inductor lowers as a mutation of the slot: it runs after
-    every earlier read of the slot, and no such read moves past it. Its ``wait_tensor`` waits for the view.
-    Where the shard was cast to ``param_dtype`` just for the all-gather, the op takes the uncast shard (the
-    cast writes into the slot). Reserves the slabs (a collective for symmetric ones: ``symmetric`` puts CUDA
-    slabs in symmetric memory)."""
+    """Each slot becomes one ``slot`` node at the graph's start; each of its collectives writes into a view of
+    it (``all_gather_into_slot``, ``exchange_into_slot``), which Inductor lowers as a mutation of the slot: it
+    runs after every earlier read of the slot, and no such read moves past it. An all-gather's
+    ``wait_tensor`` waits for the view; an exchange's becomes ``wait_exchange``. Where the shard was cast to
+    ``param_dtype`` just for the all-gather, the op takes the uncast shard (the cast writes into the slot).
+    Reserves the slabs (a collective for symmetric ones: ``symmetric`` puts CUDA slabs in symmetric memory)."""
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
     for use in uses:
-        gathers = [nodes[name] for name in use.gathers]
-        assert all(g.target == ALL_GATHER and g.meta["val"].dim() == 1 and len(g.users) == 1 for g in gathers), use
-        value = gathers[0].meta["val"]
+        collectives = [nodes[name] for name in use.collectives]
+        assert all(
+            c.target in (ALL_GATHER, EXCHANGE) and c.meta["val"].dim() == 1 and len(c.users) == 1 for c in collectives
+        ), use
+        value = collectives[0].meta["val"]
         symmetric_here = symmetric and value.device.type == "cuda"
         args = (use.group, value.device, use.offset, use.nbytes // value.element_size(), value.dtype,
                 use.slab_bytes, symmetric_here)
         with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):  # a cast may be gone
             slot_node = graph.call_function(SLOT, args)
         slot_node.meta["val"] = value.new_empty(args[3])
-        for gather in gathers:
-            with graph.inserting_before(gather):
-                out = graph.call_function(torch.ops.aten.slice.Tensor, (slot_node, 0, 0, gather.meta["val"].numel()))
-            out.meta["val"] = slot_node.meta["val"][: gather.meta["val"].numel()]
-            shard = gather.args[0]
-            gather.target, gather.kwargs, gather.meta["val"] = INTO_SLOT, {"out": out}, None
-            if shard.target in CASTS and len(shard.users) == 1:
-                gather.args = (shard.args[0], *gather.args[1:])
-                graph.erase_node(shard)
-            gather.replace_all_uses_with(out)  # its wait_tensor
+        for collective in collectives:
+            with graph.inserting_before(collective):
+                out = graph.call_function(
+                    torch.ops.aten.slice.Tensor, (slot_node, 0, 0, collective.meta["val"].numel())
+                )
+            out.meta["val"] = slot_node.meta["val"][: collective.meta["val"].numel()]
+            (_write_exchange if collective.target == EXCHANGE else _write_gather)(graph, collective, out)
         reserve_slab(use.group, value.device, use.slab_bytes, symmetric_here, keep_old)
     lint_and_recompile(gm)
+
+
+def _write_gather(graph: fx.Graph, gather: fx.Node, out: fx.Node) -> None:
+    shard = gather.args[0]
+    gather.target, gather.kwargs, gather.meta["val"] = INTO_SLOT, {"out": out}, None
+    if shard.target in CASTS and len(shard.users) == 1:
+        gather.args = (shard.args[0], *gather.args[1:])
+        graph.erase_node(shard)
+    gather.replace_all_uses_with(out)  # its wait_tensor
+
+
+def _write_exchange(graph: fx.Graph, exchange: fx.Node, out: fx.Node) -> None:
+    gradient, splits, _, group_name = exchange.args
+    (wait,) = exchange.users
+    exchange.target, exchange.meta["val"] = EXCHANGE_INTO_SLOT, None
+    exchange.args, exchange.kwargs = (gradient, len(splits), group_name), {"out": out}
+    with graph.inserting_before(wait):
+        graph.call_function(WAIT_EXCHANGE, (out, gradient))
+    wait.replace_all_uses_with(out)
+    graph.erase_node(wait)
 
 
 def slot_hazards(graph: fx.Graph) -> list[str]:

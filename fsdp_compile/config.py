@@ -77,10 +77,21 @@ class BackendConfig:
     ``lowering/choose_route.py``), NCCL wherever the copy engines cannot run; the choice and its reason are
     logged (logger ``fsdp_compile``, and the ``fsdp_compile_all_gather_route`` artifact)."""
 
+    grad_reduce: Literal["nccl", "copy_engine", "auto"] = "nccl"
+    """How the units' gradient exchanges run on GPUs (the all-to-alls of gradients in ``param_dtype``, summed in
+    ``reduce_dtype`` by the receiver: ``MixedPrecision.exchange_grads_in_param_dtype``). ``"nccl"``: NCCL's
+    all-to-all kernels. ``"copy_engine"``: each rank pushes each peer's part of its gradient into that peer's
+    slot of the memory plan (peer-to-peer memcpys into symmetric memory, on the copy engines), so that no
+    collective holds SMs in backward; needs ``memory_plan=True`` and what ``all_gather="copy_engine"`` needs,
+    and refuses units that reduce-scatter instead (``reduce_dtype == param_dtype``, or the exchange switched
+    off). ``"auto"``: the route ``all_gather="auto"`` chooses, for the exchanges (reduce-scatters stay on
+    NCCL)."""
+
     memory_plan: bool = True
     """Apply the memory plan (``passes/plan_memory.py``): every all-gather whose output does not outlive its
-    graph writes into a persistent slot of its process group's slab, sized by the planner from the live
-    ranges, instead of a buffer of its own. ``False``: planned and logged only (for A/B measurements)."""
+    graph, and every gradient exchange, writes into a persistent slot of its process group's slab, sized by
+    the planner from the live ranges, instead of a buffer of its own. ``False``: planned and logged only (for
+    A/B measurements)."""
 
     cudagraphs: bool = False
     """Run the forward and backward graphs as CUDA graphs (Inductor's ``triton.cudagraphs``): one replay
@@ -115,6 +126,7 @@ class BackendConfig:
             object.__setattr__(self, "max_inflight_grad_reductions", max_inflight_reduce_scatters)
         _check_choice("compiler", self.compiler, ("inductor", "aot_eager"))
         _check_choice("all_gather", self.all_gather, ("nccl", "copy_engine", "auto"))
+        _check_choice("grad_reduce", self.grad_reduce, ("nccl", "copy_engine", "auto"))
         for name in ("overlap", "memory_plan", "cudagraphs"):
             _check_bool(name, getattr(self, name))
         _check_int("prefetch", self.prefetch, minimum=0, meaning="units issued ahead")
@@ -123,6 +135,11 @@ class BackendConfig:
         )
         if self.dump is not None and not isinstance(self.dump, (str, os.PathLike)):
             raise TypeError(f"dump must be a folder (a str or os.PathLike), got {self.dump!r}")
+        if self.grad_reduce == "copy_engine" and not self.memory_plan:
+            raise ValueError(
+                "grad_reduce='copy_engine' pushes gradients into the peers' slots of the memory plan, which "
+                "memory_plan=False does not apply: keep memory_plan=True, or use grad_reduce='nccl'"
+            )
         if self.cudagraphs and self.compiler != "inductor":
             raise ValueError(
                 "cudagraphs=True needs compiler='inductor' (CUDA graphs are an Inductor feature), "

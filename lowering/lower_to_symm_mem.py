@@ -44,12 +44,13 @@ from fsdp_compile import _internals
 from fsdp_compile._internals import symm_mem
 from fsdp_compile._graph import (
     ALL_GATHER,
+    EXCHANGE,
     GraphPass,
     lint_and_recompile,
     named,
     plan_json,
 )
-from fsdp_compile._slots import INTO_SLOT, INTO_SLOT_SCHEMA, into_slot_fake, slab_of
+from fsdp_compile._slots import EXCHANGE_INTO_SLOT, INTO_SLOT, INTO_SLOT_SCHEMA, into_slot_fake, slab_of
 from fsdp_compile.debug import degraded
 
 __all__ = [
@@ -58,6 +59,7 @@ __all__ = [
     "all_gather_copy_engine",
     "all_gather_into_slot_copy_engine",
     "apply_symm_mem",
+    "exchange_into_slot_copy_engine",
     "plan_symm_mem",
     "reserve_workspace",
     "workspace_nbytes",
@@ -151,6 +153,26 @@ def all_gather_into_slot_copy_engine(shard: torch.Tensor, group_size: int, group
         symm_mem.register_work(out)  # its event: recorded on `side`
 
 
+@_internals.step_op(
+    "fsdp_compile::exchange_into_slot_copy_engine", INTO_SLOT_SCHEMA, into_slot_fake, device_type="cuda"
+)
+def exchange_into_slot_copy_engine(gradient: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
+    """``exchange_into_slot`` by copy engines: ``out`` is (a view of) a slot of the group's symmetric slab; wait
+    with ``wait_exchange(out, gradient)`` (steps: the module docstring)."""
+    slab = slab_of(group_name, out.device)
+    rank = slab.handle.rank
+    mine = gradient.view(group_size, -1)
+    side = symm_mem.backend_stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        slab.handle.barrier()
+        for peer, theirs in slab.pushed_parts(out, group_size):
+            theirs.copy_(mine[peer])
+        out.view(group_size, -1)[rank].copy_(mine[rank])
+        slab.handle.barrier()
+        symm_mem.register_work(out)  # its event: recorded on `side`
+
+
 @dataclass(frozen=True)
 class SymmMemPlan:
     gathers: tuple[str, ...]
@@ -159,30 +181,44 @@ class SymmMemPlan:
     """Their largest shard: the symmetric workspace each rank needs."""
     into_slots: tuple[str, ...] = ()
     """The all-gathers into slots, lowered to copy engines with no staging, in graph order."""
+    exchanges: tuple[str, ...] = ()
+    """The gradient exchanges into slots, lowered to copy engines (pushes into the peers' slots), in graph order."""
 
     def to_json(self) -> str:
         return plan_json(self)
 
     def summary(self) -> str:
         total = len(self.gathers) + len(self.into_slots)
-        return f"{total} all-gathers on copy engines ({len(self.into_slots)} into slots)"
+        return (f"{total} all-gathers on copy engines ({len(self.into_slots)} into slots), "
+                f"{len(self.exchanges)} gradient exchanges")
 
 
-def plan_symm_mem(graph: fx.Graph) -> SymmMemPlan:
-    gathers = [n for n in graph.nodes if n.target == ALL_GATHER]
-    into_slots = [n for n in graph.nodes if n.target == INTO_SLOT]
-    shards = [ag.args[0].meta["val"] for ag in gathers + into_slots]
-    own = shards[: len(gathers)]
-    elsewhere = sorted({str(s.device) for s in shards if s.device.type != "cuda"})
-    if elsewhere:
+def plan_symm_mem(graph: fx.Graph, all_gather: bool = True, grad_reduce: bool = False) -> SymmMemPlan:
+    """What to lower: the all-gathers (``all_gather``), the gradient exchanges (``grad_reduce``)."""
+    gathers = [n for n in graph.nodes if n.target == ALL_GATHER] if all_gather else []
+    into_slots = [n for n in graph.nodes if n.target == INTO_SLOT] if all_gather else []
+    exchanges = [n for n in graph.nodes if n.target == EXCHANGE_INTO_SLOT] if grad_reduce else []
+    unslotted = [n.name for n in graph.nodes if n.target == EXCHANGE] if grad_reduce else []
+    if unslotted:
         raise ValueError(
-            f"all_gather='copy_engine' needs all-gathers of CUDA tensors (peer copies between GPUs), but this "
-            f"graph all-gathers on {', '.join(elsewhere)}: use all_gather='nccl' there"
+            f"grad_reduce='copy_engine' pushes each gradient exchange into the peers' planned slots, but "
+            f"{', '.join(unslotted)} has none (memory_plan=False, or a size known only at run time): use "
+            "memory_plan=True, or grad_reduce='nccl'"
         )
+    routed = (("all_gather", "all-gathers", gathers + into_slots), ("grad_reduce", "gradient exchanges", exchanges))
+    for option, what, nodes in routed:
+        elsewhere = sorted({n.args[0].meta["val"].device.type for n in nodes} - {"cuda"})
+        if elsewhere:
+            raise ValueError(
+                f"{option}='copy_engine' needs {what} of CUDA tensors (peer copies between GPUs), but this graph's "
+                f"run on {', '.join(elsewhere)}: use {option}='nccl' there"
+            )
+    own = [n.args[0].meta["val"] for n in gathers]
     return SymmMemPlan(
         gathers=tuple(ag.name for ag in gathers),
         workspace_bytes=workspace_nbytes((s.numel(), s.dtype) for s in own),
         into_slots=tuple(ag.name for ag in into_slots),
+        exchanges=tuple(n.name for n in exchanges),
     )
 
 
@@ -195,12 +231,24 @@ def apply_symm_mem(gm: fx.GraphModule, plan: SymmMemPlan) -> None:
         node.args = (*node.args, plan.workspace_bytes)
     for node in named(gm.graph, plan.into_slots):
         node.target = torch.ops.fsdp_compile.all_gather_into_slot_copy_engine.default
+    for node in named(gm.graph, plan.exchanges):
+        node.target = torch.ops.fsdp_compile.exchange_into_slot_copy_engine.default
     lint_and_recompile(gm)
 
 
 class LowerToSymmMem(GraphPass):
-    """The lowering as part of Inductor's ``post_grad_custom_post_pass`` (after ``plan_memory``)."""
+    """The lowering as part of Inductor's ``post_grad_custom_post_pass`` (after ``plan_memory``): the
+    all-gathers (``all_gather``) and the gradient exchanges (``grad_reduce``) go to copy engines."""
 
     name = "lower_to_symm_mem"
-    plan = staticmethod(plan_symm_mem)
     apply = staticmethod(apply_symm_mem)
+
+    def __init__(self, *, all_gather: bool = True, grad_reduce: bool = False) -> None:
+        self.all_gather = all_gather
+        self.grad_reduce = grad_reduce
+
+    def options(self) -> str:
+        return f"all_gather={self.all_gather} grad_reduce={self.grad_reduce}"
+
+    def plan(self, graph: fx.Graph) -> SymmMemPlan:
+        return plan_symm_mem(graph, self.all_gather, self.grad_reduce)

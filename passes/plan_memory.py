@@ -6,15 +6,17 @@ Postcondition: the plan (``MemoryPlan``) says, per process group, dtype and kind
 needs, their sizes and places in the group's slab, and which slot each collective's buffer takes; it is
 logged as the structured artifact ``fsdp_compile_memory_plan``. Applied (the default), each graph's
 all-gathers write into their slots: ``fsdp_compile::all_gather_into_slot`` into a view of a
-``fsdp_compile::slot`` node (``fsdp_compile._slots``); the rest of the graph is unchanged. Gradient buffers
-are planned, not applied yet (the reductions read the gradients where Inductor put them). A collective of
-symbolic size (dynamic shapes) is not planned.
+``fsdp_compile::slot`` node (``fsdp_compile._slots``), and so do the gradient exchanges
+(``fsdp_compile::exchange_into_slot``: the all-to-all's output); the rest of the graph is unchanged. A
+reduce-scatter's input is planned, not applied (it reads the gradient where Inductor put it). A collective
+of symbolic size (dynamic shapes) is not planned.
 
 Buffers, in the step's order (the forward's nodes, then the backward's):
 - ``gathered``: an all-gather's output. Live from the all-gather's issue to the last read of any alias of it
   (views, ``wait_tensor``, a forward output saved for backward and its reads there).
 - ``gradient``: a gradient reduction's input (the unit's whole gradient in the dtype it travels in). Live from
-  the node that produces it to the reduction's ``wait_tensor``: the peers read it until then.
+  the node that produces it to the reduction's ``wait_tensor``: the peers read it until then. An exchange
+  (all-to-all) is live to the last read of its output too, which is as big and takes the slot when applied.
 Two buffers may share a slot only if their live ranges do not meet (a range is inclusive: the next
 collective into a slot comes strictly after the last reader of the previous occupant).
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch.fx as fx
 
@@ -68,7 +70,7 @@ class Slot:
     kind: Kind
     nbytes: int
     offset: int
-    """Where it starts in its group's slab, in bytes: gathered slots first, then gradient slots, in plan order."""
+    """Where it starts in its group's slab, in bytes (``_layout``)."""
     occupants: tuple[str, ...]
     """Its buffers, by name, in step order."""
 
@@ -85,8 +87,8 @@ class MemoryPlan:
     unslotted: tuple[str, ...]
     """Buffers read after their graph ends (``Buffer.escapes``): each keeps its collective's own allocation."""
     slabs: tuple[tuple[str, int], ...]
-    """(group, bytes) of the allocation each group's gathered slots live in (applied; gradient slots are
-    planned, not applied yet)."""
+    """(group, bytes) of the allocation (slab) each group's applied slots live in: the gathered slots and the
+    gradient exchanges' (reduce-scatter inputs are planned, not applied)."""
     pool_bytes: int
     per_collective_bytes: int
     maxpool_bytes: int
@@ -129,7 +131,7 @@ def plan_memory(buffers: Iterable[Buffer], graphs: Sequence[str] = ("forward", "
             slot_keys.append(buffer.klass)
             slot_sizes.append(buffer.nbytes)
             slot_members.append([buffer])
-    offsets, slabs = _layout(slot_keys, slot_sizes)
+    offsets, slabs = _layout(slot_keys, slot_sizes, [any(b.in_slab for b in members) for members in slot_members])
     slots = tuple(
         Slot(*key, nbytes=size, offset=offset, occupants=tuple(b.name for b in sorted(members, key=_by_start)))  # type: ignore[arg-type]
         for key, size, offset, members in zip(slot_keys, slot_sizes, offsets, slot_members)
@@ -155,20 +157,21 @@ def plan_memory(buffers: Iterable[Buffer], graphs: Sequence[str] = ("forward", "
 
 
 def _layout(
-    keys: Sequence[tuple[str, str, str]], sizes: Sequence[int]
+    keys: Sequence[tuple[str, str, str]], sizes: Sequence[int], in_slab: Sequence[bool]
 ) -> tuple[list[int], tuple[tuple[str, int], ...]]:
-    """Each slot's offset in its group's slab (gathered slots first, each aligned to ``SLOT_ALIGNMENT``), and
-    each group's slab: the end of its gathered slots."""
+    """Each slot's offset in its group's slab (each aligned to ``SLOT_ALIGNMENT``): the slots the plan applies
+    (gathered, then gradient), then those it does not (reduce-scatter inputs: their offsets lie past the
+    slab's end); and each group's slab: the end of the slots it applies."""
     offsets = [0] * len(keys)
     ends: dict[str, int] = {}
     slabs: dict[str, int] = {}
-    for kind in ("gathered", "gradient"):
+    for applied, kind in ((True, "gathered"), (True, "gradient"), (False, "gathered"), (False, "gradient")):
         for index, ((group, _, slot_kind), size) in enumerate(zip(keys, sizes)):
-            if slot_kind == kind:
+            if slot_kind == kind and in_slab[index] == applied:
                 offsets[index] = ends.get(group, 0)
                 ends[group] = offsets[index] + -(-size // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
-        if kind == "gathered":
-            slabs = dict(ends)
+        if applied:
+            slabs.update(ends)
     return offsets, tuple(sorted(slabs.items()))
 
 
@@ -236,22 +239,30 @@ class PlanMemory(GraphPass):
 
     name = "memory"
 
-    def __init__(self, *, apply: bool = True, symmetric: bool = False, cudagraphs: bool = False) -> None:
+    def __init__(
+        self, *, apply: bool = True, symmetric: bool = False, cudagraphs: bool = False, exchanges: bool = True
+    ) -> None:
         self.write_slots = apply
         self.symmetric = symmetric
-        """Slabs on GPUs in symmetric memory (the copy-engine all-gather reads the peers' slots)."""
+        """Slabs on GPUs in symmetric memory (the copy-engine routes read or write the peers' slots)."""
         self.cudagraphs = cudagraphs
+        self.exchanges = exchanges
+        """Gradient exchanges take their slots too (else: planned, not applied, like reduce-scatter inputs)."""
 
     def options(self) -> str:
-        return f"apply={self.write_slots} symmetric={self.symmetric} cudagraphs={self.cudagraphs}"
+        return (f"apply={self.write_slots} symmetric={self.symmetric} cudagraphs={self.cudagraphs} "
+                f"exchanges={self.exchanges}")
 
     def plan(self, graph: fx.Graph) -> MemoryPlan:
         if not _is_backward(graph):
             return plan_memory(forward_buffers(graph).buffers, graphs=("forward",))
         forward = _forwards.get(_internals.current_compile_id())
         if forward is None:  # its forward came from a cache: the backward alone
-            return plan_memory(step_buffers(ForwardBuffers((), 0, ()), graph), graphs=("backward",))
-        return plan_memory(step_buffers(forward, graph))
+            forward = ForwardBuffers((), 0, ())
+        buffers = step_buffers(forward, graph)
+        if not self.exchanges:
+            buffers = tuple(replace(b, in_slab=False) if b.kind == "gradient" else b for b in buffers)
+        return plan_memory(buffers, graphs=("forward", "backward") if forward.length else ("backward",))
 
     def sources(self) -> Sequence[str]:
         return (*super().sources(), _liveness.__file__, _slots.__file__)
@@ -269,17 +280,19 @@ class PlanMemory(GraphPass):
         if self.write_slots:
             uses = slot_uses(plan, stage)
             write_into_slots(gm, uses, symmetric=self.symmetric, keep_old=self.cudagraphs)
-            _internals.counters["fsdp_compile"]["slotted_all_gathers"] += sum(len(u.gathers) for u in uses)
+            _internals.counters["fsdp_compile"]["slotted_collectives"] += sum(len(u.collectives) for u in uses)
 
 
 def slot_uses(plan: MemoryPlan, stage: str) -> tuple[SlotUse, ...]:
-    """The plan's gathered slots that hold buffers of the graph ``stage`` (``"forward"``/``"backward"``)."""
+    """The plan's applied slots that hold buffers of the graph ``stage`` (``"forward"``/``"backward"``)."""
     slabs = dict(plan.slabs)
+    in_slab = {b.name for b in plan.buffers if b.in_slab}
     uses = []
     for slot in plan.slots:
-        gathers = tuple(name.split("/", 1)[1] for name in slot.occupants if name.startswith(f"{stage}/"))
-        if slot.kind == "gathered" and gathers:
-            uses.append(SlotUse(slot.group, slot.offset, slot.nbytes, slabs[slot.group], gathers))
+        names = (n for n in slot.occupants if n.startswith(f"{stage}/") and n in in_slab)
+        collectives = tuple(name.split("/", 1)[1] for name in names)
+        if collectives:
+            uses.append(SlotUse(slot.group, slot.offset, slot.nbytes, slabs[slot.group], collectives))
     return tuple(uses)
 
 

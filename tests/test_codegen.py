@@ -25,6 +25,7 @@ AG = "torch.ops._c10d_functional.all_gather_into_tensor.default("
 AG_OUT = "torch.ops.fsdp_compile.all_gather_into_slot.default("
 SLOT = "torch.ops.fsdp_compile.slot.default("
 A2A = "torch.ops._c10d_functional.all_to_all_single.default("
+EXCHANGE = "torch.ops.fsdp_compile.exchange_into_slot.default("
 
 
 def _code(backend: object, **compile_options: object) -> list[str]:
@@ -97,6 +98,25 @@ def test_every_all_gather_writes_into_a_slot_and_the_matmuls_read_the_slots(code
         for buf in set(written):
             assert re.search(rf"extern_kernels\.mm\(.*reinterpret_tensor\({buf}, ", graph), buf
         assert not re.search(rf"del ({'|'.join(named)})  # reuse", graph)  # Inductor never reuses a slot
+
+
+@pytest.mark.slow
+def test_each_slotted_exchange_keeps_its_gradient_until_it_is_waited_for() -> None:
+    """With the exchanges in slots (what ``grad_reduce="copy_engine"`` applies; its copy engines need GPUs, so
+    here the slotted NCCL-route op), each exchange reads its gradient on another stream: Inductor must not free
+    the gradient, nor hand its memory to another buffer, before ``wait_exchange`` (which takes it for that)."""
+    from fsdp_compile import _backend
+    from fsdp_compile.passes.plan_memory import PlanMemory
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_backend, "PlanMemory", lambda **options: PlanMemory(**{**options, "exchanges": True}))
+        backward = _code("fsdp_compile")[1]
+    exchanges = re.findall(rf"^\s*({re.escape(EXCHANGE)}(buf\d+), \d+, '\d+', out=(.+)\))$", backward, re.MULTILINE)
+    assert len(exchanges) == N_UNITS and A2A not in backward
+    for line, gradient, out in exchanges:
+        start = backward.index(line)
+        wait = backward.index(f"wait_exchange.default({out}, {gradient})", start)
+        assert not re.search(rf"del {gradient}\b|= {gradient}\b|\({gradient}, \(", backward[start:wait]), line
 
 
 @pytest.mark.slow

@@ -22,11 +22,15 @@ EXIT_WITHIN_S = 30
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
-@pytest.mark.parametrize("all_gather", ["nccl", "copy_engine"])
-def test_a_torchrun_script_with_cuda_graphs_exits_after_destroy_process_group(all_gather: str) -> None:
+@pytest.mark.parametrize("all_gather, grad_reduce", [("nccl", "nccl"), ("copy_engine", "nccl"),
+                                                     ("copy_engine", "copy_engine")],
+                         ids=["nccl", "copy_engine", "copy_engine-exchange"])
+def test_a_torchrun_script_with_cuda_graphs_exits_after_destroy_process_group(
+    all_gather: str, grad_reduce: str
+) -> None:
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(EXAMPLE),
-        "--steps", "3", "--cudagraphs", "--all-gather", all_gather,
+        "--steps", "3", "--cudagraphs", "--all-gather", all_gather, "--grad-reduce", grad_reduce,
     ]
     proc = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True

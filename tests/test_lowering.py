@@ -26,6 +26,8 @@ AG, WAIT = _c10d.all_gather_into_tensor.default, _c10d.wait_tensor.default
 CE = torch.ops.fsdp_compile.all_gather_copy_engine.default
 CE_INTO = torch.ops.fsdp_compile.all_gather_into_slot_copy_engine.default
 INTO_SLOT = torch.ops.fsdp_compile.all_gather_into_slot.default
+EXCHANGE_INTO = torch.ops.fsdp_compile.exchange_into_slot.default
+CE_EXCHANGE = torch.ops.fsdp_compile.exchange_into_slot_copy_engine.default
 MP = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
@@ -37,8 +39,14 @@ def scheduled() -> dict[str, fx.GraphModule]:
 
 @pytest.fixture(scope="module")
 def slotted() -> dict[str, fx.GraphModule]:
-    """The graphs with the memory plan applied (the default): every all-gather into its slot."""
-    return compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager"})
+    """The graphs with the memory plan applied (the default), the gradient exchanges in slots too (as
+    ``grad_reduce="copy_engine"`` has them; its copy engines need GPUs): every collective into its slot."""
+    from fsdp_compile import _backend
+    from fsdp_compile.passes.plan_memory import PlanMemory
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(_backend, "PlanMemory", lambda **options: PlanMemory(**{**options, "exchanges": True}))
+        return compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager"})
 
 
 @pytest.mark.parametrize("stage", ["forward", "backward"])
@@ -78,7 +86,8 @@ def test_each_all_gather_into_a_slot_becomes_a_copy_engine_one_in_its_place(slot
 
 
 def test_plan_refuses_all_gathers_off_cuda(scheduled: dict) -> None:
-    with pytest.raises(ValueError, match=r"needs all-gathers of CUDA tensors .* on cpu: use all_gather='nccl'"):
+    message = r"all_gather='copy_engine' needs all-gathers of CUDA tensors .* run on cpu: use all_gather='nccl'"
+    with pytest.raises(ValueError, match=message):
         plan_symm_mem(scheduled["forward"].graph)
 
 
@@ -92,12 +101,50 @@ def test_bad_all_gather_option() -> None:
         fsdp_compile.backend(all_gather="nvshmem")
 
 
-def test_auto_all_gathers_by_nccl_on_cpu_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
+def test_each_exchange_into_a_slot_becomes_a_copy_engine_one_in_its_place(slotted: dict) -> None:
+    gm = copy.deepcopy(slotted["backward"])
+    exchanges = [n.name for n in gm.graph.nodes if n.target == EXCHANGE_INTO]
+    assert len(exchanges) == N_UNITS  # bf16 gradients, fp32 sums: every unit exchanges
+    before = [(n.name, n.args, n.kwargs) for n in gm.graph.nodes]
+    apply_symm_mem(gm, SymmMemPlan(gathers=(), workspace_bytes=0, exchanges=tuple(exchanges)))
+    assert [(n.name, n.args, n.kwargs) for n in gm.graph.nodes] == before  # nothing moved
+    assert [n.name for n in gm.graph.nodes if n.target == CE_EXCHANGE] == exchanges
+    assert not [n for n in gm.graph.nodes if n.target == CE_INTO]  # the all-gathers: not asked for
+    assert slot_hazards(gm.graph) == []
+
+
+@pytest.mark.parametrize(
+    "mp, options, message",
+    [
+        (MP, {"grad_reduce": "copy_engine"},
+         r"grad_reduce='copy_engine' needs gradient exchanges of CUDA tensors .* run on cpu: use grad_reduce='nccl'"),
+        (None, {"grad_reduce": "copy_engine"},
+         r"grad_reduce='copy_engine' runs the gradient exchanges .* but units \['', 'layers.0', .* reduce-scatter"),
+    ],
+    ids=["cpu", "units-that-reduce-scatter"],
+)
+def test_backend_with_copy_engine_exchanges_refuses_what_it_cannot_run(
+    mp: fsdp_compile.MixedPrecision | None, options: dict, message: str
+) -> None:
+    with pytest.raises(Exception, match=message):
+        compile_and_capture(mp=mp, backend_options={"compiler": "aot_eager", **options})
+
+
+def test_copy_engine_exchanges_need_the_memory_plan() -> None:
+    with pytest.raises(ValueError, match="grad_reduce='copy_engine' pushes gradients into the peers' slots of the "
+                                         "memory plan, which memory_plan=False does not apply"):
+        fsdp_compile.backend(grad_reduce="copy_engine", memory_plan=False)
+
+
+def test_auto_routes_by_nccl_on_cpu_and_says_why(caplog: pytest.LogCaptureFixture) -> None:
     with caplog.at_level(logging.INFO, logger="fsdp_compile"):
-        graphs = compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager", "all_gather": "auto"})
-    assert "all_gather='auto' chose 'nccl': all-gathers on cpu: copy engines need CUDA tensors" in caplog.text
+        graphs = compile_and_capture(
+            mp=MP, backend_options={"compiler": "aot_eager", "all_gather": "auto", "grad_reduce": "auto"}
+        )
+    for option in ("all_gather", "grad_reduce"):
+        assert f"{option}='auto' chose 'nccl': all-gathers on cpu: copy engines need CUDA tensors" in caplog.text
     targets = {n.target for gm in graphs.values() for n in gm.graph.nodes}
-    assert INTO_SLOT in targets and not targets & {CE, CE_INTO}
+    assert INTO_SLOT in targets and not targets & {CE, CE_INTO, CE_EXCHANGE, EXCHANGE_INTO}  # NCCL: as by default
 
 
 @pytest.fixture
@@ -159,3 +206,16 @@ def test_a_workspace_grown_mid_step_is_counted() -> None:
     from fsdp_compile.testing.dist import spawn_ranks
 
     spawn_ranks(_workspace_grown_mid_step, 2, backend="nccl")
+
+
+def test_copy_engine_routes_under_cuda_graphs_compile_afresh() -> None:
+    """A graph from Inductor's caches would reserve its symmetric slab at its first run, inside the CUDA graphs'
+    warm-up, whose memory pool then holds the rendezvous's tables and Inductor refuses to run (seen on H100s:
+    the second process of a copy-engine + CUDA-graph job failed). So those compiles skip the caches."""
+    from fsdp_compile._backend import _inductor_settings
+    from fsdp_compile.config import BackendConfig
+
+    for options in ({"all_gather": "copy_engine"}, {"grad_reduce": "copy_engine"}):
+        assert _inductor_settings(BackendConfig(cudagraphs=True, **options))["force_disable_caches"] is True
+        assert "force_disable_caches" not in _inductor_settings(BackendConfig(**options))
+    assert "force_disable_caches" not in _inductor_settings(BackendConfig(cudagraphs=True))

@@ -26,6 +26,7 @@ from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, save_matmuls
 from fsdp_compile.testing.reference import full_grads, reference_step, rel_error
 
 BATCH_PER_RANK = 2
+BF16_FP32_REDUCE = {"dtype": torch.float32, "param_dtype": torch.bfloat16}  # gradients exchanged (all-to-alls)
 SEQ = 8
 LR = 1e-3
 
@@ -112,6 +113,8 @@ class Case:
     cudagraphs: bool = False  # BackendConfig.cudagraphs (CUDA graphs: GPU only)
     all_gather: Literal["nccl", "copy_engine", "auto"] = "nccl"  # BackendConfig.all_gather (copy engines: GPU only;
     # auto: under the environment torchrun gives one host, copy engines for groups of 2 GPUs)
+    grad_reduce: Literal["nccl", "copy_engine", "auto"] = "nccl"  # BackendConfig.grad_reduce (the exchanges: GPU only
+    # for copy engines)
     mode: str | None = None  # torch.compile(mode=...)
     memory_plan: bool = True  # BackendConfig.memory_plan: all-gathers into planned slots
     mesh: tuple[int, int] | None = None  # HSDP: shard(mesh=...) on a (replicate, shard) DeviceMesh of this shape
@@ -146,14 +149,14 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
         units = fsdp_compile.sharded_units(model)
         assert {(u.world_size, u.replicas) for u in units} == {(case.mesh[1], case.mesh[0])}
         assert sum(u.flat.numel() for u in units) * case.mesh[1] == sum(u.layout.padded_numel for u in units)
-    if case.all_gather == "auto":  # what torchrun sets on one host (spawn_ranks does not)
+    if "auto" in (case.all_gather, case.grad_reduce):  # what torchrun sets on one host (spawn_ranks does not)
         os.environ.update(LOCAL_WORLD_SIZE=str(world_size), WORLD_SIZE=str(world_size))
     if case.compiler == "eager":
         run = model
     else:
         backend = fsdp_compile.backend(
             compiler=case.compiler, overlap=case.overlap, cudagraphs=case.cudagraphs, all_gather=case.all_gather,
-            memory_plan=case.memory_plan,
+            grad_reduce=case.grad_reduce, memory_plan=case.memory_plan,
         )
         run = torch.compile(model, backend=backend, fullgraph=not case.graph_break, mode=case.mode)
     opt = torch.optim.AdamW(_param_groups(model), lr=LR)
@@ -187,10 +190,11 @@ def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
             assert counters["fsdp_compile"]["accumulated_reduce_scatters"] == n_units * (step + 1)
         if case.graph_break:
             assert sum(counters["graph_break"].values()) >= 1, "the test model did not break the graph"
-        if case.all_gather == "auto":
-            shard_ranks = case.mesh[1] if case.mesh else world_size
-            route = "copy_engine" if case.device == "cuda" and shard_ranks == 2 else "nccl"
-            assert counters["fsdp_compile"][f"all_gather_auto_{route}"] >= 1, dict(counters["fsdp_compile"])
+        shard_ranks = case.mesh[1] if case.mesh else world_size
+        route = "copy_engine" if case.device == "cuda" and shard_ranks == 2 else "nccl"
+        for option in ("all_gather", "grad_reduce"):
+            if getattr(case, option) == "auto":
+                assert counters["fsdp_compile"][f"{option}_auto_{route}"] >= 1, dict(counters["fsdp_compile"])
 
         global_loss = torch.stack(losses).mean()
         dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
@@ -342,10 +346,12 @@ def test_parity_world_size_one() -> None:
         (torch.float32, torch.bfloat16, {"cudagraphs": True}),
         (torch.float64, torch.float64, {"all_gather": "copy_engine"}),
         (torch.float32, torch.bfloat16, {"all_gather": "copy_engine", "cudagraphs": True}),
-        (torch.float32, torch.bfloat16, {"all_gather": "auto"}),
+        (torch.float32, torch.bfloat16, {"all_gather": "auto", "grad_reduce": "auto"}),
+        (torch.float32, torch.bfloat16, {"all_gather": "copy_engine", "grad_reduce": "copy_engine"}),
+        (torch.float32, torch.bfloat16, {"all_gather": "copy_engine", "grad_reduce": "copy_engine", "cudagraphs": True}),
     ],
     ids=["fp64", "bf16-fp32reduce", "bf16-fp32reduce-cudagraphs", "fp64-copy_engine", "bf16-fp32reduce-copy_engine-cudagraphs",
-         "bf16-fp32reduce-auto"],
+         "bf16-fp32reduce-auto", "bf16-fp32reduce-copy_engine-exchange", "bf16-fp32reduce-copy_engine-exchange-cudagraphs"],
 )
 def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype, options: dict) -> None:
     spawn_ranks(_train_and_compare, 2, Case("inductor", dtype, param_dtype, device="cuda", **options), backend="nccl")
@@ -356,11 +362,14 @@ def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype, opti
 @pytest.mark.parametrize(
     "mesh, options",
     [(None, {}), (None, {"all_gather": "copy_engine"}), ((2, 2), {}), ((2, 2), {"all_gather": "copy_engine"}),
-     (None, {"all_gather": "auto"})],
-    ids=["fsdp-4gpus", "fsdp-copy_engine-4gpus", "hsdp-2x2-4gpus", "hsdp-2x2-copy_engine-4gpus", "fsdp-auto-4gpus"],
+     (None, {"all_gather": "auto"}),
+     (None, {"all_gather": "copy_engine", "grad_reduce": "copy_engine", **BF16_FP32_REDUCE}),
+     ((2, 2), {"grad_reduce": "auto", **BF16_FP32_REDUCE})],
+    ids=["fsdp-4gpus", "fsdp-copy_engine-4gpus", "hsdp-2x2-4gpus", "hsdp-2x2-copy_engine-4gpus", "fsdp-auto-4gpus",
+         "fsdp-copy_engine-exchange-bf16-4gpus", "hsdp-2x2-exchange-auto-bf16-4gpus"],
 )
 def test_parity_nccl_four_gpus(mesh: tuple[int, int] | None, options: dict) -> None:
-    case = Case("inductor", torch.float64, torch.float64, device="cuda", mesh=mesh, **options)
+    case = Case("inductor", device="cuda", mesh=mesh, **{"dtype": torch.float64, "param_dtype": torch.float64, **options})
     spawn_ranks(_train_and_compare, 4, case, backend="nccl")
 
 

@@ -24,11 +24,13 @@ from fsdp_compile.passes.plan_memory import (
     plan_memory,
     step_buffers,
 )
-from fsdp_compile._graph import ALL_GATHER
-from fsdp_compile._slots import INTO_SLOT, SLOT, slot_hazards
+from fsdp_compile._graph import ALL_GATHER, EXCHANGE
+from fsdp_compile._slots import EXCHANGE_INTO_SLOT, INTO_SLOT, SLOT, WAIT_EXCHANGE, slot_hazards
 from fsdp_compile.passes.plan_memory import slot_uses
 from fsdp_compile.testing.graphs import memory_plans
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+
+LLAMA_TINY_UNITS = range(LLAMA_TINY.n_layers + 1)  # the blocks and the root
 
 
 @st.composite
@@ -46,6 +48,7 @@ def buffer_sets(draw: st.DrawFn) -> list[Buffer]:
                 start=start,
                 end=start + draw(st.integers(0, 30)),
                 escapes=draw(st.integers(0, 5)) == 0,
+                in_slab=draw(st.integers(0, 2)) > 0,
             )
         )
     return buffers
@@ -64,8 +67,12 @@ def test_the_plan_is_safe_bounded_and_deterministic(buffers: list[Buffer], seed:
         assert slot.nbytes == max(by_name[name].nbytes for name in slot.occupants)
         assert slot.offset % SLOT_ALIGNMENT == 0
     assert set(plan.unslotted) == {b.name for b in buffers if b.escapes}  # read after their graph: no slot
-    for group, nbytes in plan.slabs:  # the slab holds the group's gathered slots
-        assert nbytes >= max(s.offset + s.nbytes for s in plan.slots if s.group == group and s.kind == "gathered")
+    slabs = dict(plan.slabs)
+    for slot in plan.slots:  # a group's slab holds the slots applied (an occupant in the slab); the others lie past it
+        if any(by_name[name].in_slab for name in slot.occupants):
+            assert slot.offset + slot.nbytes <= slabs[slot.group]
+        else:
+            assert slot.offset >= slabs.get(slot.group, 0)
     assert plan.lower_bound_bytes <= plan.pool_bytes <= plan.per_collective_bytes
     assert plan.pool_bytes <= plan.maxpool_bytes
     shuffled = list(buffers)
@@ -176,10 +183,12 @@ def _figures(plan: dict) -> str:
 
 
 def _step(
-    model: nn.Module, units: list[type[nn.Module]], compiler: str, memory_plan: bool = True
+    model: nn.Module, units: list[type[nn.Module]], compiler: str, memory_plan: bool = True, exchange: bool = False
 ) -> tuple[list[dict], dict[str, fx.Graph]]:
-    """One compiled training step (never from Inductor's caches): its memory plans, its graphs."""
-    fsdp_compile.shard(model, units=units)
+    """One compiled training step (never from Inductor's caches): its memory plans, its graphs. ``exchange``:
+    bf16 parameters, fp32 gradient sums (the gradients are exchanged: all-to-alls)."""
+    mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if exchange else None
+    fsdp_compile.shard(model, units=units, mp=mp)
     compiled = torch.compile(model, backend=fsdp_compile.backend(compiler=compiler, memory_plan=memory_plan))
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     with fsdp_compile.debug.capture_graphs() as graphs, memory_plans() as plans:
@@ -213,26 +222,41 @@ def test_the_logged_plan_of_a_compiled_step_is_the_planners_and_safe(fake_pg: No
         assert plan.pool_bytes <= plan.maxpool_bytes
 
 
-@pytest.mark.parametrize("model", ["llama", "hybrid"])
-def test_applied_every_all_gather_writes_into_its_slot(fake_pg: None, model: str) -> None:
+@pytest.mark.parametrize("model, exchange", [("llama", False), ("hybrid", False), ("llama", True)],
+                         ids=["llama", "hybrid", "llama-exchange"])
+def test_applied_every_collective_writes_into_its_slot(fake_pg: None, model: str, exchange: bool) -> None:
     """The plan applied (the default): the same plans are logged, each graph holds one slot node per slot it
-    uses, every all-gather writes into a view of its own slot, and no slot is written before the last read
-    of its previous occupant."""
-    unapplied, _ = _step(*_model(model), "aot_eager", memory_plan=False)
-    plans, graphs = _step(*_model(model), "aot_eager")
+    uses, every all-gather and gradient exchange writes into a view of its own slot (an exchange is waited for
+    by ``wait_exchange``, which keeps its gradient alive), and no slot is written before the last read of its
+    previous occupant."""
+    from fsdp_compile import _backend
+    from fsdp_compile.passes.plan_memory import PlanMemory
+
+    with pytest.MonkeyPatch.context() as patch:  # the exchanges in slots, as grad_reduce="copy_engine" has them
+        patch.setattr(_backend, "PlanMemory", lambda **options: PlanMemory(**{**options, "exchanges": True}))
+        unapplied, _ = _step(*_model(model), "aot_eager", memory_plan=False, exchange=exchange)
+        plans, graphs = _step(*_model(model), "aot_eager", exchange=exchange)
     assert plans == unapplied
+    dtype = torch.bfloat16 if exchange else torch.float32
     for stage, plan in zip(("forward", "backward"), plans):
         graph = graphs[stage]
         slots = {f"{stage}/{n.name}": n for n in graph.find_nodes(op="call_function", target=SLOT)}
         fields = {k: v for k, v in plan.items() if k != "predicted_peak_bytes"}
-        uses = slot_uses(MemoryPlan(**{**fields, "slots": tuple(Slot(**s) for s in plan["slots"])}), stage)
+        uses = slot_uses(MemoryPlan(**{**fields, "slots": tuple(Slot(**s) for s in plan["slots"]),
+                                       "buffers": tuple(Buffer(**b) for b in plan["buffers"])}), stage)
         assert len(slots) == len(uses) > 0
         assert not graph.find_nodes(op="call_function", target=ALL_GATHER)
-        gathers = graph.find_nodes(op="call_function", target=INTO_SLOT)
-        assert sorted(g.name for g in gathers) == sorted(name for use in uses for name in use.gathers)
+        writes = [*graph.find_nodes(op="call_function", target=INTO_SLOT),
+                  *graph.find_nodes(op="call_function", target=EXCHANGE_INTO_SLOT)]
+        assert sorted(w.name for w in writes) == sorted(name for use in uses for name in use.collectives)
         for use in uses:
-            (slot_node,) = {g.kwargs["out"].args[0] for g in gathers if g.name in use.gathers}
-            assert slot_node.args[2:4] == (use.offset, use.nbytes // 4)  # float32
+            (slot_node,) = {w.kwargs["out"].args[0] for w in writes if w.name in use.collectives}
+            assert slot_node.args[2:4] == (use.offset, use.nbytes // dtype.itemsize)
+        exchanges = graph.find_nodes(op="call_function", target=EXCHANGE_INTO_SLOT)
+        assert len(exchanges) == (len(LLAMA_TINY_UNITS) if exchange and stage == "backward" else 0)
+        assert not graph.find_nodes(op="call_function", target=EXCHANGE)  # every exchange in a slot
+        waits = graph.find_nodes(op="call_function", target=WAIT_EXCHANGE)
+        assert [(w.args[0], w.args[1]) for w in waits] == [(e.kwargs["out"], e.args[0]) for e in exchanges]
         assert slot_hazards(graph) == []
 
 

@@ -3,6 +3,7 @@ difference, instead of hanging until the transport times out (gloo ranks)."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import os
 import time
@@ -16,6 +17,7 @@ from torch._dynamo.utils import counters
 
 import fsdp_compile
 from fsdp_compile._agree import agree
+from fsdp_compile.config import BackendConfig
 from fsdp_compile.testing.dist import spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
 
@@ -72,7 +74,10 @@ def test_on_nccl_too_a_rank_with_an_extra_layer_fails_at_once_not_after_the_watc
 def _auto_chooses_per_rank(rank: int, world_size: int) -> None:
     from fsdp_compile import _backend
 
-    _backend._choose_all_gather = lambda gm, plan: "copy_engine" if rank == 0 else "nccl"  # as peer access might
+    def choose(gm: object, plan: object, config: BackendConfig) -> BackendConfig:  # as peer access might
+        return dataclasses.replace(config, all_gather="copy_engine" if rank == 0 else "nccl")
+
+    _backend._choose_routes = choose
     model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager", all_gather="auto"))
     tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
@@ -81,8 +86,8 @@ def _auto_chooses_per_rank(rank: int, world_size: int) -> None:
         run(tokens[:, :-1], tokens[:, 1:])
     assert time.monotonic() - start < FAIL_WITHIN_S
     message = str(error.value)
-    for part in ("the ranks' collectives differ", "by copy_engine (all_gather='auto')", "by nccl (all_gather='auto')",
-                 "set all_gather='nccl'"):
+    for part in ("the ranks' collectives differ", "by copy_engine/nccl ('auto')", "by nccl/nccl ('auto')",
+                 "set 'nccl'"):
         assert part in message, (part, message)
 
 
