@@ -1,4 +1,5 @@
-"""Lower the units' all-gathers to copy-engine all-gathers through symmetric memory.
+"""Lower the units' all-gathers (and, with ``grad_reduce``, their gradient exchanges) to copy engines through
+symmetric memory.
 
 Precondition: a post-grad forward or backward graph (after ``schedule_overlap`` and ``plan_memory``) whose
 all-gathers run on CUDA tensors: into a slot of the group's symmetric slab (``fsdp_compile.all_gather_into_slot``,
@@ -6,11 +7,14 @@ the memory plan applied) or into a buffer of their own (``_c10d_functional.all_g
 ``wait_tensor``: the plan not applied, or an output kept for backward).
 Postcondition: an all-gather into a slot is ``fsdp_compile.all_gather_into_slot_copy_engine``, with the same
 arguments. Any other all-gather is ``fsdp_compile.all_gather_copy_engine``, with the graph's largest shard in
-bytes (its staging workspace) as one more argument. Nothing moves.
+bytes (its staging workspace) as one more argument. With ``grad_reduce``, a gradient exchange into a slot
+(``fsdp_compile.exchange_into_slot``) is ``fsdp_compile.exchange_into_slot_copy_engine``, with the same
+arguments. Nothing moves.
 
 Why: NCCL's all-gather kernels hold SMs (24 on H100) while they run, and the matmuls that the overlap
-schedule puts beside them run slower for it. A copy-engine all-gather moves the bytes with the GPU's copy
-engines (peer-to-peer memcpy over NVLink) and uses SMs only for two one-block barrier kernels.
+schedule puts beside them run slower for it (NCCL's all-to-alls in backward too). A copy-engine collective
+moves the bytes with the GPU's copy engines (peer-to-peer memcpy over NVLink) and uses SMs only for two
+one-block barrier kernels.
 
 How an all-gather into a slot runs (``all_gather_into_slot_copy_engine``), on ``w`` ranks, with no staging:
 1. compute stream: copy (and cast) the shard into this rank's part of the slot; peers read it from there.
@@ -20,6 +24,14 @@ How an all-gather into a slot runs (``all_gather_into_slot_copy_engine``), on ``
    occupant may be written once this all-gather is waited for). The slot is registered with c10d, so the
    graph's ``wait_tensor`` makes the compute stream wait for the side stream. The side stream forks from the
    compute stream and joins it at the wait, which is also what CUDA-graph capture needs.
+How a gradient exchange into a slot runs (``exchange_into_slot_copy_engine``; the memory plan put the
+exchange's output, part ``i`` from rank ``i``, in a slot of the symmetric slab: ``exchange_into_slot``):
+on the side stream, after the compute stream, a barrier (every rank has reached this exchange, so every
+peer's slot is free of its previous occupant), ``w - 1`` memcpys of each peer's part of this rank's gradient
+into this rank's part of the same slot in that peer's slab (pushes: the gradient stays where Inductor put
+it), a copy of this rank's own part, a barrier (every push into this rank's slot is done); the graph's
+``wait_exchange`` joins the side stream back and keeps the gradient alive until then. An exchange the plan
+left without a slot (a symbolic size) stays on NCCL, said once.
 An all-gather into its own buffer (``all_gather_copy_engine``) also copies its part into this rank's slice of
 the group's symmetric workspace first (``get_symm_mem_workspace``), and the peers read it from there. The
 workspace is allocated when the backend compiles (``reserve_workspace``), sized to the largest shard, so it
@@ -200,11 +212,9 @@ def plan_symm_mem(graph: fx.Graph, all_gather: bool = True, grad_reduce: bool = 
     exchanges = [n for n in graph.nodes if n.target == EXCHANGE_INTO_SLOT] if grad_reduce else []
     unslotted = [n.name for n in graph.nodes if n.target == EXCHANGE] if grad_reduce else []
     if unslotted:
-        raise ValueError(
-            f"grad_reduce='copy_engine' pushes each gradient exchange into the peers' planned slots, but "
-            f"{', '.join(unslotted)} has none (memory_plan=False, or a size known only at run time): use "
-            "memory_plan=True, or grad_reduce='nccl'"
-        )
+        degraded("copy_engine_exchanges_left_on_nccl", f"grad_reduce='copy_engine' pushes each gradient exchange "
+                 f"into the peers' planned slots, but {', '.join(unslotted)} has none (a size known only at run "
+                 "time: dynamic shapes): it stays on NCCL")
     routed = (("all_gather", "all-gathers", gathers + into_slots), ("grad_reduce", "gradient exchanges", exchanges))
     for option, what, nodes in routed:
         elsewhere = sorted({n.args[0].meta["val"].device.type for n in nodes} - {"cuda"})

@@ -6,10 +6,11 @@ Postcondition: the plan (``MemoryPlan``) says, per process group, dtype and kind
 needs, their sizes and places in the group's slab, and which slot each collective's buffer takes; it is
 logged as the structured artifact ``fsdp_compile_memory_plan``. Applied (the default), each graph's
 all-gathers write into their slots: ``fsdp_compile::all_gather_into_slot`` into a view of a
-``fsdp_compile::slot`` node (``fsdp_compile._slots``), and so do the gradient exchanges
-(``fsdp_compile::exchange_into_slot``: the all-to-all's output); the rest of the graph is unchanged. A
-reduce-scatter's input is planned, not applied (it reads the gradient where Inductor put it). A collective
-of symbolic size (dynamic shapes) is not planned.
+``fsdp_compile::slot`` node (``fsdp_compile._slots``), and, with ``exchanges`` (the backend's
+``grad_reduce="copy_engine"``: the peers push into them), so do the gradient exchanges
+(``fsdp_compile::exchange_into_slot``: the all-to-all's output); the rest of the graph is unchanged. Other
+gradient buffers (NCCL's exchanges, reduce-scatter inputs) are planned, not applied: the reductions read the
+gradients where Inductor put them. A collective of symbolic size (dynamic shapes) is not planned.
 
 Buffers, in the step's order (the forward's nodes, then the backward's):
 - ``gathered``: an all-gather's output. Live from the all-gather's issue to the last read of any alias of it
