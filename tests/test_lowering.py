@@ -219,3 +219,14 @@ def test_copy_engine_routes_under_cuda_graphs_compile_afresh() -> None:
         assert _inductor_settings(BackendConfig(cudagraphs=True, **options))["force_disable_caches"] is True
         assert "force_disable_caches" not in _inductor_settings(BackendConfig(**options))
     assert "force_disable_caches" not in _inductor_settings(BackendConfig(cudagraphs=True))
+
+
+def test_an_exchange_without_a_slot_stays_on_nccl_and_is_counted(scheduled: dict) -> None:
+    """Only a symbolic size (dynamic shapes) leaves an exchange without a slot under grad_reduce='copy_engine'
+    (memory_plan=False is refused when the backend is built); such an exchange stays on NCCL, said once."""
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    plan = plan_symm_mem(scheduled["backward"].graph, all_gather=False, grad_reduce=True)
+    assert plan == SymmMemPlan(gathers=(), workspace_bytes=0)
+    assert counters["fsdp_compile"]["copy_engine_exchanges_left_on_nccl"] == 1
