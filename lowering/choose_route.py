@@ -15,7 +15,9 @@ all-gather, the SMs left to the matmuls) or tie (1024 without CUDA graphs: runs 
 The measured all-gathers were 4 KB (the root unit) to 131 MB, every unit on the same route, so the choice
 goes by the group's size, not the collective's. Anything the copy engines need and cannot be checked for
 (CUDA tensors, symmetric memory in this torch, every rank on this host, peer access between its GPUs)
-falls back to NCCL, with the reason. The ranks then agree on the route like on the collectives
+falls back to NCCL, with the reason. ``grad_reduce="auto"`` takes the same choice for the gradient exchanges
+(measured apart only at 4096 tokens/GPU on 2 GPUs, runs 26-27: within the runs' spread). The ranks then
+agree on the route like on the collectives
 (``fsdp_compile/_agree.py``): ranks that chose differently raise instead of waiting for each other.
 """
 
