@@ -236,7 +236,8 @@ class PlanMemory(GraphPass):
     """The planner as part of Inductor's ``post_grad_custom_post_pass`` (after ``schedule_overlap``): a forward
     graph is planned alone and kept for its backward; a backward graph is planned with its forward (the
     step). AOTAutograd compiles the backward at its first call, in the forward's compile context. With
-    ``apply``, each graph's all-gathers then write into their slots (``fsdp_compile._slots``)."""
+    ``apply``, each graph's all-gathers (and, with ``exchanges``, gradient exchanges; else those are planned,
+    not applied, like reduce-scatter inputs) then write into their slots (``fsdp_compile._slots``)."""
 
     name = "memory"
 
@@ -248,18 +249,15 @@ class PlanMemory(GraphPass):
         """Slabs on GPUs in symmetric memory (the copy-engine routes read or write the peers' slots)."""
         self.cudagraphs = cudagraphs
         self.exchanges = exchanges
-        """Gradient exchanges take their slots too (else: planned, not applied, like reduce-scatter inputs)."""
 
     def options(self) -> str:
-        return (f"apply={self.write_slots} symmetric={self.symmetric} cudagraphs={self.cudagraphs} "
-                f"exchanges={self.exchanges}")
+        return f"{self.write_slots=} {self.symmetric=} {self.cudagraphs=} {self.exchanges=}"
 
     def plan(self, graph: fx.Graph) -> MemoryPlan:
         if not _is_backward(graph):
             return plan_memory(forward_buffers(graph).buffers, graphs=("forward",))
-        forward = _forwards.get(_internals.current_compile_id())
-        if forward is None:  # its forward came from a cache: the backward alone
-            forward = ForwardBuffers((), 0, ())
+        # No forward kept: it came from a cache, so the backward is planned alone.
+        forward = _forwards.get(_internals.current_compile_id(), ForwardBuffers((), 0, ()))
         buffers = step_buffers(forward, graph)
         if not self.exchanges:
             buffers = tuple(replace(b, in_slab=False) if b.kind == "gradient" else b for b in buffers)
