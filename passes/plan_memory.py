@@ -242,7 +242,7 @@ class PlanMemory(GraphPass):
     name = "memory"
 
     def __init__(
-        self, *, apply: bool = True, symmetric: bool = False, cudagraphs: bool = False, exchanges: bool = True
+        self, *, apply: bool = True, symmetric: bool = False, cudagraphs: bool = False, exchanges: bool = False
     ) -> None:
         self.write_slots = apply
         self.symmetric = symmetric

@@ -18,6 +18,7 @@ from torch.testing import FileCheck
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
+from fsdp_compile.testing.graphs import slotted_exchanges
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 N_UNITS = LLAMA_TINY.n_layers + 1
@@ -105,11 +106,7 @@ def test_each_slotted_exchange_keeps_its_gradient_until_it_is_waited_for() -> No
     """With the exchanges in slots (what ``grad_reduce="copy_engine"`` applies; its copy engines need GPUs, so
     here the slotted NCCL-route op), each exchange reads its gradient on another stream: Inductor must not free
     the gradient, nor hand its memory to another buffer, before ``wait_exchange`` (which takes it for that)."""
-    from fsdp_compile import _backend
-    from fsdp_compile.passes.plan_memory import PlanMemory
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_backend, "PlanMemory", lambda **options: PlanMemory(**{**options, "exchanges": True}))
+    with slotted_exchanges():
         backward = _code("fsdp_compile")[1]
     exchanges = re.findall(rf"^\s*({re.escape(EXCHANGE)}(buf\d+), \d+, '\d+', out=(.+)\))$", backward, re.MULTILINE)
     assert len(exchanges) == N_UNITS and A2A not in backward

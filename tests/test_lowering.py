@@ -17,7 +17,7 @@ from fsdp_compile._internals import MissingTorchFeature, symm_mem
 from fsdp_compile._slots import slot_hazards
 from fsdp_compile.lowering.choose_route import RouteChoice, choose_all_gather
 from fsdp_compile.lowering.lower_to_symm_mem import SymmMemPlan, apply_symm_mem, plan_symm_mem
-from fsdp_compile.testing.graphs import compile_and_capture
+from fsdp_compile.testing.graphs import compile_and_capture, slotted_exchanges
 from fsdp_compile.testing.llama import LLAMA_TINY
 
 N_UNITS = LLAMA_TINY.n_layers + 1
@@ -41,11 +41,7 @@ def scheduled() -> dict[str, fx.GraphModule]:
 def slotted() -> dict[str, fx.GraphModule]:
     """The graphs with the memory plan applied (the default), the gradient exchanges in slots too (as
     ``grad_reduce="copy_engine"`` has them; its copy engines need GPUs): every collective into its slot."""
-    from fsdp_compile import _backend
-    from fsdp_compile.passes.plan_memory import PlanMemory
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_backend, "PlanMemory", lambda **options: PlanMemory(**{**options, "exchanges": True}))
+    with slotted_exchanges():
         return compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager"})
 
 

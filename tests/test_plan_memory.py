@@ -27,7 +27,7 @@ from fsdp_compile.passes.plan_memory import (
 from fsdp_compile._graph import ALL_GATHER, EXCHANGE
 from fsdp_compile._slots import EXCHANGE_INTO_SLOT, INTO_SLOT, SLOT, WAIT_EXCHANGE, slot_hazards
 from fsdp_compile.passes.plan_memory import slot_uses
-from fsdp_compile.testing.graphs import memory_plans
+from fsdp_compile.testing.graphs import memory_plans, slotted_exchanges
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 LLAMA_TINY_UNITS = range(LLAMA_TINY.n_layers + 1)  # the blocks and the root
@@ -229,11 +229,7 @@ def test_applied_every_collective_writes_into_its_slot(fake_pg: None, model: str
     uses, every all-gather and gradient exchange writes into a view of its own slot (an exchange is waited for
     by ``wait_exchange``, which keeps its gradient alive), and no slot is written before the last read of its
     previous occupant."""
-    from fsdp_compile import _backend
-    from fsdp_compile.passes.plan_memory import PlanMemory
-
-    with pytest.MonkeyPatch.context() as patch:  # the exchanges in slots, as grad_reduce="copy_engine" has them
-        patch.setattr(_backend, "PlanMemory", lambda **options: PlanMemory(**{**options, "exchanges": True}))
+    with slotted_exchanges():  # as grad_reduce="copy_engine" has them
         unapplied, _ = _step(*_model(model), "aot_eager", memory_plan=False, exchange=exchange)
         plans, graphs = _step(*_model(model), "aot_eager", exchange=exchange)
     assert plans == unapplied

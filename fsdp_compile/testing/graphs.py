@@ -20,7 +20,7 @@ from fsdp_compile.debug import capture_graphs
 from fsdp_compile.testing.dist import hsdp_mesh
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
 
-__all__ = ["compile_and_capture", "memory_plans"]
+__all__ = ["compile_and_capture", "memory_plans", "slotted_exchanges"]
 
 
 def compile_and_capture(
@@ -75,3 +75,19 @@ def memory_plans() -> Iterator[list[dict]]:
             yield plans
     finally:
         trace_log.removeHandler(handler)
+
+
+@contextmanager
+def slotted_exchanges() -> Iterator[None]:
+    """Graphs compiled meanwhile put their gradient exchanges in the memory plan's slots too, as
+    ``grad_reduce="copy_engine"`` has them, but on the route any device runs (``exchange_into_slot``): the
+    copy engines themselves need GPUs."""
+    from fsdp_compile import _backend
+    from fsdp_compile.passes.plan_memory import PlanMemory
+
+    original = _backend.PlanMemory
+    _backend.PlanMemory = lambda **options: PlanMemory(**{**options, "exchanges": True})  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        _backend.PlanMemory = original  # type: ignore[misc]
