@@ -20,10 +20,11 @@ How an all-gather into a slot runs (``all_gather_into_slot_copy_engine``), on ``
 1. compute stream: copy (and cast) the shard into this rank's part of the slot; peers read it from there.
 2. side stream (symmetric memory's backend stream), after the compute stream: a barrier (every rank's part
    is in place), ``w - 1`` memcpys of the peers' parts of the same slot into this rank's slot (the slabs
-   have the same layout on every rank), a barrier (no peer reads this rank's part any more: the slot's next
-   occupant may be written once this all-gather is waited for). The slot is registered with c10d, so the
-   graph's ``wait_tensor`` makes the compute stream wait for the side stream. The side stream forks from the
-   compute stream and joins it at the wait, which is also what CUDA-graph capture needs.
+   have the same layout on every rank; each on its own stream, forked from the side stream and joined back,
+   so that over 4 ranks the copy engines run the 3 at once), a barrier (no peer reads this rank's part any
+   more: the slot's next occupant may be written once this all-gather is waited for). The slot is registered
+   with c10d, so the graph's ``wait_tensor`` makes the compute stream wait for the side stream. The side
+   stream forks from the compute stream and joins it at the wait, which is also what CUDA-graph capture needs.
 How a gradient exchange into a slot runs (``exchange_into_slot_copy_engine``; the memory plan put the
 exchange's output, part ``i`` from rank ``i``, in a slot of the symmetric slab: ``exchange_into_slot``):
 on the side stream, after the compute stream, a barrier (every rank has reached this exchange, so every
@@ -107,6 +108,29 @@ def reserve_workspace(group_name: str, nbytes: int) -> Any:
     return symm_mem.workspace(group_name, _workspace_bytes[group_name])
 
 
+_copy_streams: dict[int, list[torch.cuda.Stream]] = {}
+"""Per device: the streams besides symmetric memory's own that peer copies run on, made once."""
+
+
+def _copy_at_once(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every (dst, src) pair, each peer copy on its own stream, forked from the current
+    (side) stream and joined back into it: over more than 2 ranks the copy engines move the peers' parts at
+    the same time instead of one after another. Capturable by CUDA graphs (the forks join before the side
+    stream's work is registered)."""
+    side = torch.cuda.current_stream()
+    streams = _copy_streams.setdefault(side.device.index, [])
+    while len(streams) < len(pairs) - 1:
+        streams.append(torch.cuda.Stream(side.device))
+    others = streams[: len(pairs) - 1]
+    for stream in others:
+        stream.wait_stream(side)
+    for (dst, src), stream in zip(pairs, (side, *others)):
+        with torch.cuda.stream(stream):
+            dst.copy_(src)
+    for stream in others:
+        side.wait_stream(stream)
+
+
 def _gathered_fake(shard: torch.Tensor, group_size: int, group_name: str, workspace_bytes: int) -> torch.Tensor:
     return shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
 
@@ -137,9 +161,8 @@ def all_gather_copy_engine(
     with torch.cuda.stream(side):
         workspace.get_buffer(workspace.rank, shard.shape, shard.dtype).copy_(parts[workspace.rank])
         workspace.barrier()
-        for rank, part in enumerate(parts):
-            if rank != workspace.rank:
-                part.copy_(workspace.get_buffer(rank, shard.shape, shard.dtype))
+        _copy_at_once([(part, workspace.get_buffer(rank, shard.shape, shard.dtype))
+                       for rank, part in enumerate(parts) if rank != workspace.rank])
         workspace.barrier()
         symm_mem.register_work(output)  # its event: recorded on `side`
     return output
@@ -159,8 +182,7 @@ def all_gather_into_slot_copy_engine(shard: torch.Tensor, group_size: int, group
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         slab.handle.barrier()
-        for mine, peers in slab.peer_parts(out, group_size):
-            mine.copy_(peers)
+        _copy_at_once(slab.peer_parts(out, group_size))
         slab.handle.barrier()
         symm_mem.register_work(out)  # its event: recorded on `side`
 
@@ -178,9 +200,8 @@ def exchange_into_slot_copy_engine(gradient: torch.Tensor, group_size: int, grou
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         slab.handle.barrier()
-        for peer, theirs in slab.pushed_parts(out, group_size):
-            theirs.copy_(mine[peer])
         out.view(group_size, -1)[rank].copy_(mine[rank])
+        _copy_at_once([(theirs, mine[peer]) for peer, theirs in slab.pushed_parts(out, group_size)])
         slab.handle.barrier()
         symm_mem.register_work(out)  # its event: recorded on `side`
 
