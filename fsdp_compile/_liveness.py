@@ -114,8 +114,10 @@ def _graph_buffers(graph: fx.Graph, stage: str, offset: int) -> tuple[tuple[Buff
             wait = wait_of(node)
             start = index[source] if source.op != "placeholder" else offset
             last = index[wait] if wait is not None else end
-            if node.target == EXCHANGE:  # its output, as big, takes the slot: live to its last read too
-                last = max(last, last_read(node, index, end))
+            if node.target == EXCHANGE:  # its output, as big, takes the slot: from the issue to its last read
+                # (no peer writes into it before this rank issues the exchange: NCCL, or the copy engines'
+                # barrier, wait for every rank to reach it)
+                start, last = index[node], max(last, last_read(node, index, end))
             buffers.append(
                 Buffer(f"{stage}/{node.name}", str(node.args[-1]), str(source.meta["val"].dtype), "gradient",
                        nbytes(source), start, last, in_slab=node.target == EXCHANGE)

@@ -15,9 +15,9 @@ gradients where Inductor put them. A collective of symbolic size (dynamic shapes
 Buffers, in the step's order (the forward's nodes, then the backward's):
 - ``gathered``: an all-gather's output. Live from the all-gather's issue to the last read of any alias of it
   (views, ``wait_tensor``, a forward output saved for backward and its reads there).
-- ``gradient``: a gradient reduction's input (the unit's whole gradient in the dtype it travels in). Live from
-  the node that produces it to the reduction's ``wait_tensor``: the peers read it until then. An exchange
-  (all-to-all) is live to the last read of its output too, which is as big and takes the slot when applied.
+- ``gradient``: a reduce-scatter's input (the unit's whole gradient in the dtype it travels in), live from its
+  producer to the ``wait_tensor`` (the peers read it until then); an exchange's output (all-to-all: as big; it
+  takes the slot when applied), live from the exchange's issue to its wait or last read, whichever is later.
 Two buffers may share a slot only if their live ranges do not meet (a range is inclusive: the next
 collective into a slot comes strictly after the last reader of the previous occupant).
 

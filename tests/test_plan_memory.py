@@ -24,7 +24,7 @@ from fsdp_compile.passes.plan_memory import (
     plan_memory,
     step_buffers,
 )
-from fsdp_compile._graph import ALL_GATHER, EXCHANGE
+from fsdp_compile._graph import ALL_GATHER, EXCHANGE, wait_of
 from fsdp_compile._slots import EXCHANGE_INTO_SLOT, INTO_SLOT, SLOT, WAIT_EXCHANGE, slot_hazards
 from fsdp_compile.passes.plan_memory import slot_uses
 from fsdp_compile.testing.graphs import memory_plans, slotted_exchanges
@@ -254,6 +254,22 @@ def test_applied_every_collective_writes_into_its_slot(fake_pg: None, model: str
         waits = graph.find_nodes(op="call_function", target=WAIT_EXCHANGE)
         assert [(w.args[0], w.args[1]) for w in waits] == [(e.kwargs["out"], e.args[0]) for e in exchanges]
         assert slot_hazards(graph) == []
+
+
+def test_an_exchange_is_live_from_its_issue_not_from_its_gradient(fake_pg: None) -> None:
+    """An exchange's buffer is its output (it takes the slot): live from the exchange's issue (no peer writes
+    into it before this rank reaches the exchange) to its wait or the output's last read, not from the node
+    that produced the gradient (which stays where Inductor put it): a longer range kept one more slot."""
+    _, graphs = _step(*_model("llama"), "aot_eager", memory_plan=False, exchange=True)
+    forward = forward_buffers(graphs["forward"])
+    position = {n: forward.length + i for i, n in enumerate(graphs["backward"].nodes)}
+    exchanges = {f"backward/{n.name}": n for n in graphs["backward"].find_nodes(op="call_function", target=EXCHANGE)}
+    buffers = [b for b in step_buffers(forward, graphs["backward"]) if b.name in exchanges]
+    assert len(buffers) == len(exchanges) == len(LLAMA_TINY_UNITS)
+    for b in buffers:
+        node = exchanges[b.name]
+        assert b.start == position[node] > position[node.args[0]], (b, node.args[0])
+        assert b.end >= position[wait_of(node)], b
 
 
 def test_inductor_logs_the_plan_of_its_post_grad_graphs(fake_pg: None) -> None:
