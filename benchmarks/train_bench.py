@@ -23,9 +23,10 @@ projection, which backward needs first, is not resharded after forward):
 - ``fsdp_compile`` and its variants (``FSDP_COMPILE_VARIANTS``: one line each), among them
   ``fsdp_compile_cudagraphs`` (``backend(cudagraphs=True)``: no launch overhead) and
   ``fsdp_compile_copy_engine`` (``backend(all_gather="copy_engine")``: all-gathers off the SMs; GPU only) and
-  ``fsdp_compile_auto`` (``backend(all_gather="auto")``: the route measured faster for the group's size) and
+  ``fsdp_compile_auto`` (``backend(all_gather="auto", grad_reduce="auto")``: the routes chosen for the group) and
   ``fsdp_compile_copy_engine_exchange`` (``all_gather="copy_engine", grad_reduce="copy_engine"``: no collective
-  on the SMs; GPU only).
+  on the SMs; GPU only) and ``fsdp_compile_keep_gathered`` (``reshard_after_forward=False`` for every unit: no
+  all-gather in backward, the gathered parameters held from forward to backward).
 - HSDP as on two nodes, on a ``(replicate, shard)`` mesh of shape (2, ranks / 2) (4 ranks or more; left out of
   the defaults below): ``fsdp2_compile_hsdp`` (``fsdp2_compile`` with ``fully_shard(mesh=...)``) and
   ``fsdp_compile_hsdp`` (``shard(mesh=...)``).
@@ -46,6 +47,8 @@ communication (time NCCL kernels or peer-to-peer copies run), exposed communicat
 other kernel runs), compute (other kernels and copies), GPU idle time, and the compute slowdown
 ((forward+backward - exposed communication) / the bound's forward+backward); compile time (first step
 minus the median). ``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them).
+``--stall-dump-s S`` prints every thread's Python stack to stderr when one system's run takes longer than S
+seconds (a hang shows where each rank waits; the run goes on).
 
 Two guards, run after every sweep, each failing the run (exit 1): the losses of every step agree with
 FSDP2 eager's, and every parameter's gradient norm after step 0 agrees with FSDP2's (``report.py``: the
@@ -58,6 +61,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import faulthandler
 import gc
 import gzip
 import json
@@ -124,16 +128,19 @@ FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fsdp_compile_copy_engine_cudagraphs": ({"all_gather": "copy_engine", "cudagraphs": True}, {}),
     "fsdp_compile_unplanned": ({"memory_plan": False}, {}),
     "fsdp_compile_copy_engine_unplanned": ({"all_gather": "copy_engine", "memory_plan": False}, {}),
-    "fsdp_compile_auto": ({"all_gather": "auto"}, {}),
-    "fsdp_compile_auto_cudagraphs": ({"all_gather": "auto", "cudagraphs": True}, {}),
+    "fsdp_compile_auto": ({"all_gather": "auto", "grad_reduce": "auto"}, {}),
+    "fsdp_compile_auto_cudagraphs": ({"all_gather": "auto", "grad_reduce": "auto", "cudagraphs": True}, {}),
     "fsdp_compile_copy_engine_exchange": ({"all_gather": "copy_engine", "grad_reduce": "copy_engine"}, {}),
     "fsdp_compile_copy_engine_exchange_cudagraphs": (
         {"all_gather": "copy_engine", "grad_reduce": "copy_engine", "cudagraphs": True}, {}
     ),
     "fsdp_compile_nccl_gather_copy_engine_exchange": ({"grad_reduce": "copy_engine"}, {}),
+    "fsdp_compile_keep_gathered": ({}, {"keep_gathered": True}),
+    "fsdp_compile_keep_gathered_cudagraphs": ({"cudagraphs": True}, {"keep_gathered": True}),
 }
-"""fsdp_compile variants: name -> (``fsdp_compile.backend(**options)``, ``MixedPrecision(**options)`` beyond
-bf16/fp32). Add one line per new variant."""
+"""fsdp_compile variants: name -> (``fsdp_compile.backend(**options)``, ``_shard(**options)``: ``keep_gathered``
+(every unit stays gathered from forward to backward: ``reshard_after_forward=False``, no all-gather in
+backward) and ``MixedPrecision(**options)`` beyond bf16/fp32). Add one line per new variant."""
 GPU_ONLY = {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items()
             if {options.get("all_gather"), options.get("grad_reduce")} & {"copy_engine", "auto"}}
 """Left out of the default systems on CPU (copy-engine collectives need GPUs; ``auto`` is NCCL there, the
@@ -168,12 +175,15 @@ def _last_unit(model: Llama) -> nn.Module:
 
 
 def _shard(
-    model: Llama, group: dist.ProcessGroup | None = None, mesh: DeviceMesh | None = None, **mp_options: Any
+    model: Llama, group: dist.ProcessGroup | None = None, mesh: DeviceMesh | None = None, keep_gathered: bool = False,
+    **mp_options: Any,
 ) -> None:
+    """Shard as torchtitan does: every unit resharded after forward but the last (``keep_gathered``: none)."""
     units = {id(m) for m in _unit_modules(model)}
     last = _last_unit(model)
     fsdp_compile.shard(model, units=lambda fqn, m: id(m) in units, group=group, mesh=mesh,
-                       mp=_mp_fsdp_compile(**mp_options), reshard_after_forward=lambda fqn, m: m is not last)
+                       mp=_mp_fsdp_compile(**mp_options),
+                       reshard_after_forward=False if keep_gathered else lambda fqn, m: m is not last)
 
 
 def _hsdp_mesh(device: torch.device) -> DeviceMesh | None:
@@ -278,8 +288,8 @@ def simplefsdp(model: Llama, device: torch.device) -> Prepared:
 
 
 def _fsdp_compile(options: tuple[dict[str, Any], dict[str, Any]], model: Llama, device: torch.device) -> Prepared:
-    backend_options, mp_options = options
-    _shard(model, **mp_options)
+    backend_options, shard_options = options
+    _shard(model, **shard_options)
     return _compiled(model, backend_options)
 
 
@@ -298,6 +308,8 @@ SYSTEMS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
     "fsdp2_compile_hsdp": partial(fsdp2_eager, compile_blocks=True, hsdp=True),
     "fsdp_compile_hsdp": fsdp_compile_hsdp,
 }
+KEEP_GATHERED = {"fsdp_compile_keep_gathered", "fsdp_compile_keep_gathered_cudagraphs"}
+"""Another sharding policy than every other system's: left out of the defaults (name them in --systems)."""
 HSDP = {"fsdp2_compile_hsdp", "fsdp_compile_hsdp"}
 """Systems on a (2, world size / 2) mesh: 4 ranks or more, left out of the defaults below."""
 
@@ -497,7 +509,8 @@ def main() -> None:
     parser.add_argument("--seq-cap", type=int, default=2048, help="longest sequence; more tokens go to the batch")
     parser.add_argument("--checkpoint", choices=sorted(CHECKPOINTING), default="none",
                         help="activation checkpointing of every block (selective: save the matmuls)")
-    parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS), help="default: all (on CPU: all but GPU_ONLY)")
+    parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS),
+                        help="default: all but KEEP_GATHERED (on CPU: and GPU_ONLY)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every system per point, interleaved (headlines: 3)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of timing and peak memory")
@@ -505,6 +518,8 @@ def main() -> None:
                         help="extra steps with forward+backward and the optimizer timed apart (the tight bound)")
     parser.add_argument("--profile-steps", type=int, default=2, help="extra steps traced for exposed communication")
     parser.add_argument("--out", help="write the JSON results to this file")
+    parser.add_argument("--stall-dump-s", type=float, default=0,
+                        help="print every thread's Python stack (stderr) when one system's run takes longer (0: off)")
     parser.add_argument("--trace-dir", help="keep each system's profiler trace (CPU and CUDA) here, per rank")
     args = parser.parse_args()
     if args.systems and not set(REFERENCES) & set(args.systems):
@@ -522,14 +537,17 @@ def main() -> None:
     hsdp_ok = dist.get_world_size() >= 4 and dist.get_world_size() % 2 == 0
     if args.systems and not hsdp_ok and HSDP & set(args.systems):
         parser.error(f"{sorted(HSDP & set(args.systems))} need an even number of ranks, at least 4")
-    leave_out = (set() if use_cuda else GPU_ONLY) | (set() if hsdp_ok else HSDP)
+    leave_out = (set() if use_cuda else GPU_ONLY) | (set() if hsdp_ok else HSDP) | KEEP_GATHERED
     args.systems = args.systems or [s for s in SYSTEMS if s not in leave_out]
     results = []
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, cache_size_limit=64):
         for batch, seq in _points(args.tokens, cfg.max_seq_len, args.seq_cap):
             for repeat in range(args.repeats):
                 for name in args.systems:
+                    if args.stall_dump_s:
+                        faulthandler.dump_traceback_later(args.stall_dump_s)
                     results.append(run(name, cfg, batch, seq, repeat, args, device))
+                    faulthandler.cancel_dump_traceback_later()
                     if dist.get_rank() == 0:
                         _write(args.out, _meta(args, device), results)  # kept if a later run dies
                         r = results[-1]

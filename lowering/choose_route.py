@@ -1,23 +1,26 @@
 """Choose the all-gather route for ``all_gather="auto"``, once per compiled graph, from what was measured.
 
-Measured on H100s with NVLink (0.95B Llama-style model, bf16 compute; benchmarks/NOTES.md, runs 19, 22, 23):
+Measured on H100s with NVLink (0.95B Llama-style model, bf16 compute; benchmarks/NOTES.md, runs 19, 22, 23,
+28-30; "both": the gradient exchanges on copy engines too):
 
-| ranks | tokens/GPU | NCCL | copy engines | NCCL + CUDA graphs | copy engines + CUDA graphs |
-|---|---|---|---|---|---|
-| 2 | 4096 | 61.9 ms | **59.0** | 61.6 | **59.0** |
-| 2 | 1024 | 46.6 | 47.8 | 31.3 | **28.2** |
-| 4 | 4096 | **61.9** | 64.2 | - | - |
-| 4 | 1024 | **50.0** | 51.6 | **29.2** | 32.1 |
+| ranks | tokens/GPU | NCCL | copy engines | NCCL + CUDA graphs | copy engines + CUDA graphs | both + CUDA graphs |
+|---|---|---|---|---|---|---|
+| 2 | 4096 | 61.9 ms | **59.0** | 61.6 | **59.0** | - |
+| 2 | 1024 | 46.6 | 47.8 | 31.3 (30.1) | 28.2 (28.8) | **(26.2, 25.9)** |
+| 4 | 4096 | **61.9** (61.3) | 64.2 | - | - | - |
+| 4 | 1024 | **50.0** | 51.6 | **29.2** (28.0) | 32.1 (30.4) | (29.8) |
 
-(step ms, median of 3 runs on 2 GPUs, one run on 4.) Over 2 ranks the copy engines win (one peer copy per
+(step ms, median of 3 runs on 2 GPUs, one run on 4; in brackets single runs of runs 28-30, each against its
+own run only: over 4 ranks the peer copies then ran on one stream per peer, and both on copy engines without
+CUDA graphs took 78.6 ms at 4096, host-bound.) Over 2 ranks the copy engines win (one peer copy per
 all-gather, the SMs left to the matmuls) or tie (1024 without CUDA graphs: runs of 36.5-54.6 ms against
 45.6-48.1, a launch-bound step); over 4 each all-gather is 3 peer copies and two barriers, and NCCL wins.
 The measured all-gathers were 4 KB (the root unit) to 131 MB, every unit on the same route, so the choice
 goes by the group's size, not the collective's. Anything the copy engines need and cannot be checked for
 (CUDA tensors, symmetric memory in this torch, every rank on this host, peer access between its GPUs)
 falls back to NCCL, with the reason. ``grad_reduce="auto"`` takes the same choice for the gradient exchanges
-(measured apart only at 4096 tokens/GPU on 2 GPUs, runs 26-27: within the runs' spread). The ranks then
-agree on the route like on the collectives
+(2 ranks, 1024 + CUDA graphs: the fastest route, runs 28 and 30; at 4096 within the runs' spread, runs
+26-28). The ranks then agree on the route like on the collectives
 (``fsdp_compile/_agree.py``): ranks that chose differently raise instead of waiting for each other.
 """
 
