@@ -121,7 +121,7 @@ def _copy_at_once(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     streams = _copy_streams.setdefault(side.device.index, [])
     while len(streams) < len(pairs) - 1:
         streams.append(torch.cuda.Stream(side.device))
-    others = streams[: len(pairs) - 1]
+    others = streams[: max(len(pairs) - 1, 0)]  # a group of one rank has no peer to copy from
     for stream in others:
         stream.wait_stream(side)
     for (dst, src), stream in zip(pairs, (side, *others)):
