@@ -187,6 +187,7 @@ def _step(
 ) -> tuple[list[dict], dict[str, fx.Graph]]:
     """One compiled training step (never from Inductor's caches): its memory plans, its graphs. ``exchange``:
     bf16 parameters, fp32 gradient sums (the gradients are exchanged: all-to-alls)."""
+    torch._dynamo.reset()  # each step a new model: compiled afresh, not a recompile against Dynamo's limit
     mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if exchange else None
     fsdp_compile.shard(model, units=units, mp=mp)
     compiled = torch.compile(model, backend=fsdp_compile.backend(compiler=compiler, memory_plan=memory_plan))
