@@ -145,6 +145,9 @@ GPU_ONLY = {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items()
             if {options.get("all_gather"), options.get("grad_reduce")} & {"copy_engine", "auto"}}
 """Left out of the default systems on CPU (copy-engine collectives need GPUs; ``auto`` is NCCL there, the
 ``fsdp_compile`` row again)."""
+KEEP_GATHERED = {name for name, (_, shard_options) in FSDP_COMPILE_VARIANTS.items()
+                 if shard_options.get("keep_gathered")}
+"""Another sharding policy than every other system's: left out of the defaults (name them in --systems)."""
 CUDA_GRAPHS = {"no_comm_bound_cudagraphs"} | {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items() if options.get("cudagraphs")}
 """Systems whose peak ``max_memory_allocated`` leaves out the CUDA graphs' memory pool (not comparable)."""
 
@@ -308,8 +311,6 @@ SYSTEMS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
     "fsdp2_compile_hsdp": partial(fsdp2_eager, compile_blocks=True, hsdp=True),
     "fsdp_compile_hsdp": fsdp_compile_hsdp,
 }
-KEEP_GATHERED = {"fsdp_compile_keep_gathered", "fsdp_compile_keep_gathered_cudagraphs"}
-"""Another sharding policy than every other system's: left out of the defaults (name them in --systems)."""
 HSDP = {"fsdp2_compile_hsdp", "fsdp_compile_hsdp"}
 """Systems on a (2, world size / 2) mesh: 4 ranks or more, left out of the defaults below."""
 
