@@ -1,0 +1,132 @@
+"""Host time of one copy-engine collective, and of its parts: what a step without CUDA graphs pays per
+all-gather and gradient exchange on the copy-engine routes (the GPU barely works: 1 MiB parts).
+
+    torchrun --nproc_per_node 2 benchmarks/ce_host_cost.py [--json results/ce_host_cost.json]
+
+Rows: the whole ops as a compiled graph calls them (``torch.ops.fsdp_compile.*``, then ``wait_tensor``),
+NCCL's functional all-gather for reference, and each piece of the copy-engine ops' bodies alone. Then a
+profiler table of one op's calls: which CUDA runtime calls and Python frames the host time goes to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from fsdp_compile import _slots
+from fsdp_compile._internals import symm_mem
+from fsdp_compile.lowering import lower_to_symm_mem as ce
+
+PART_NUMEL = 512 * 1024  # bf16: 1 MiB per rank
+
+
+def _host_us(fn: Callable[[], object], reps: int) -> float:
+    """Mean host time of ``fn`` in µs (the GPU kept from falling behind by a sync every 25 calls, not timed)."""
+    fn()
+    torch.cuda.synchronize()
+    total = 0.0
+    for start in range(0, reps, 25):
+        begin = time.perf_counter()
+        for _ in range(min(25, reps - start)):
+            fn()
+        total += time.perf_counter() - begin
+        torch.cuda.synchronize()
+        dist.barrier()
+    return total / reps * 1e6
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--reps", type=int, default=200)
+    parser.add_argument("--json")
+    args = parser.parse_args()
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+    group = dist.group.WORLD.group_name
+    device = torch.device("cuda", torch.cuda.current_device())
+    numel = PART_NUMEL * world
+    slab = _slots.reserve_slab(group, device, 2 * numel * 2, symmetric=True)
+    out = slab.memory[: numel * 2].view(torch.bfloat16)
+    shard = torch.randn(PART_NUMEL, device=device, dtype=torch.bfloat16)
+    gradient = torch.randn(numel, device=device, dtype=torch.bfloat16)
+    ops, c10d = torch.ops.fsdp_compile, torch.ops._c10d_functional
+    side, compute = symm_mem.backend_stream(), torch.cuda.current_stream()
+    pairs = slab.peer_parts(out, world)
+
+    def gather() -> None:
+        ops.all_gather_into_slot_copy_engine(shard, world, group, out)
+        c10d.wait_tensor(out)
+
+    def exchange() -> None:
+        ops.exchange_into_slot_copy_engine(gradient, world, group, out)
+        c10d.wait_tensor(out)
+
+    def nccl() -> None:
+        c10d.wait_tensor(c10d.all_gather_into_tensor(shard, world, group))
+
+    def barrier() -> None:
+        with torch.cuda.stream(side):
+            slab.handle.barrier()
+
+    def copies() -> None:
+        with torch.cuda.stream(side):
+            ce._copy_at_once(pairs)
+        compute.wait_stream(side)
+
+    def register() -> None:
+        with torch.cuda.stream(side):
+            symm_mem.register_work(out)
+        c10d.wait_tensor(out)
+
+    rows = {
+        "all_gather_into_slot_copy_engine + wait": gather,
+        "exchange_into_slot_copy_engine + wait": exchange,
+        "NCCL all_gather_into_tensor + wait": nccl,
+        "barrier (side stream)": barrier,
+        f"_copy_at_once ({world - 1} peer copies) + join": copies,
+        "register_work + wait_tensor": register,
+        "side.wait_stream(compute)": lambda: side.wait_stream(compute),
+        "with torch.cuda.stream(side): pass": _stream_context(side),
+        "local copy_ (1 MiB)": lambda: out[:PART_NUMEL].copy_(shard),
+    }
+    results = {name: _host_us(fn, args.reps) for name, fn in rows.items()}
+    from torch.profiler import ProfilerActivity, profile
+
+    gather()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
+        for _ in range(20):
+            gather()
+        torch.cuda.synchronize()
+    if rank == 0:
+        name = torch.cuda.get_device_name()
+        print(f"{world}x {name}, torch {torch.__version__}, nccl {torch.cuda.nccl.version()}; host µs per call, "
+              f"mean of {args.reps}")
+        print("| call | host µs |\n|---|---|")
+        for row, us in results.items():
+            print(f"| {row} | {us:.1f} |")
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"card": name, "world": world, "torch": torch.__version__, "host_us": results}, f, indent=1)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _stream_context(stream: torch.cuda.Stream) -> Callable[[], None]:
+    def enter_and_leave() -> None:
+        with torch.cuda.stream(stream):
+            pass
+
+    return enter_and_leave
+
+
+if __name__ == "__main__":
+    main()
