@@ -46,6 +46,9 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=200)
     parser.add_argument("--json")
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("ce_host_cost.py times copy-engine collectives between GPUs: run it under torchrun on GPUs "
+                         "with peer access (NVLink), e.g. torchrun --nproc_per_node 2 benchmarks/ce_host_cost.py")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))

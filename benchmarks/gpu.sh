@@ -8,6 +8,7 @@
 #   OUT=/tmp/out TESTS=0 TOKENS=4096 REPEATS=3 bash benchmarks/gpu.sh   # a headline: 3 runs, the default systems
 #   OUT=/tmp/out TESTS=0 SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile_copy_engine" bash benchmarks/gpu.sh
 #   OUT=/tmp/out BENCH=0 TESTS=0 CONTENTION=1 bash benchmarks/gpu.sh   # gemm_contention.py only
+#   OUT=/tmp/out BENCH=0 TESTS=0 HOST_COST=1 bash benchmarks/gpu.sh    # ce_host_cost.py only (~30 s)
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=1024 REPEATS=3 bash benchmarks/gpu.sh   # 4 GPUs
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=4096 SYSTEMS="no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile fsdp2_compile_hsdp fsdp_compile_hsdp" bash benchmarks/gpu.sh   # HSDP 2 x 2 beside FSDP over 4
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=8192 TAG=8b SYSTEMS="fsdp2_compile fsdp_compile" BENCH_ARGS="--model 8.8b --checkpoint selective --seq-cap 8192" bash benchmarks/gpu.sh
@@ -66,6 +67,11 @@ if [ "${CONTENTION:-0}" = 1 ]; then
   timeout 300 torchrun --nproc_per_node "$NPROC" benchmarks/gemm_contention.py >"$OUT/contention_$NPROC.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "gemm_contention exit $rc"; status=1; }
 fi
+if [ "${HOST_COST:-0}" = 1 ]; then
+  timeout 120 torchrun --nproc_per_node "$NPROC" benchmarks/ce_host_cost.py --json "$OUT/ce_host_cost_$NPROC.json" \
+    >"$OUT/ce_host_cost_$NPROC.log" 2>&1
+  rc=$?; [ $rc = 0 ] || { echo "ce_host_cost exit $rc"; status=1; }
+fi
 tag=${TAG:-${NPROC}gpu_$(echo "$TOKENS" | tr ' ' '_')}
 if [ "${BENCH:-1}" = 1 ]; then
   torchrun --nproc_per_node "$NPROC" benchmarks/train_bench.py --tokens $TOKENS --repeats "$REPEATS" --systems $SYSTEMS \
@@ -76,5 +82,6 @@ fi
 echo "== summary =="
 [ -f "$OUT/pytest_gpu.log" ] && grep -E "^overlap o|passed|failed|skipped|SKIPPED|rror" "$OUT/pytest_gpu.log" | tail -n 8
 [ -f "$OUT/contention_$NPROC.log" ] && grep -E "alone|^\| |rror" "$OUT/contention_$NPROC.log" | tail -n 60
+[ -f "$OUT/ce_host_cost_$NPROC.log" ] && grep -E "^\| |rror" "$OUT/ce_host_cost_$NPROC.log"
 [ -f "$OUT/bench_$tag.log" ] && { grep -E "^\||^## |guard|^[0-9]+ tokens/GPU|^step ms" "$OUT/bench_$tag.log" || tail -n 60 "$OUT/bench_$tag.log"; }
 exit $status
