@@ -19,8 +19,8 @@ How an all-gather into a slot runs (``all_gather_into_slot_copy_engine``), on ``
 1. compute stream: copy (and cast) the shard into this rank's part of the slot; peers read it from there.
 2. side stream (symmetric memory's backend stream), after the compute stream: a barrier (every rank's part
    is in place), ``w - 1`` memcpys of the peers' parts of the same slot into this rank's slot (the slabs
-   have the same layout on every rank; each on its own stream, forked from the side stream and joined back,
-   so that over 4 ranks the copy engines run the 3 at once), a barrier (no peer reads this rank's part any
+   have the same layout on every rank; the first on the side stream, each other on its own stream forked from
+   it and joined back, so that over 4 ranks the copy engines run the 3 at once), a barrier (no peer reads this rank's part any
    more: the slot's next occupant may be written once this all-gather is waited for). The slot is registered
    with c10d, so the graph's ``wait_tensor`` makes the compute stream wait for the side stream. The side
    stream forks from the compute stream and joins it at the wait, which is also what CUDA-graph capture needs.
