@@ -4,8 +4,9 @@ all-gather and gradient exchange on the copy-engine routes (the GPU barely works
     torchrun --nproc_per_node 2 benchmarks/ce_host_cost.py [--json results/ce_host_cost.json]
 
 Rows: the whole ops as a compiled graph calls them (``torch.ops.fsdp_compile.*``, then ``wait_tensor``),
-NCCL's functional all-gather for reference, and each piece of the copy-engine ops' bodies alone. Then a
-profiler table of one op's calls: which CUDA runtime calls and Python frames the host time goes to.
+NCCL's functional all-gather for reference, and each piece of the copy-engine ops' bodies alone (the rows run
+on the side stream include switching to it: the ``with torch.cuda.stream(side)`` row). Then a profiler table
+of one op's calls: which CUDA runtime calls the host time goes to.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 
 from fsdp_compile import _slots
 from fsdp_compile._internals import symm_mem
@@ -100,8 +102,6 @@ def main() -> None:
         "local copy_ (1 MiB)": lambda: out[:PART_NUMEL].copy_(shard),
     }
     results = {name: _host_us(fn, args.reps) for name, fn in rows.items()}
-    from torch.profiler import ProfilerActivity, profile
-
     gather()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=False) as prof:
