@@ -20,10 +20,10 @@ How an all-gather into a slot runs (``all_gather_into_slot_copy_engine``), on ``
 2. side stream (symmetric memory's backend stream), after the compute stream: a barrier (every rank's part
    is in place), ``w - 1`` memcpys of the peers' parts of the same slot into this rank's slot (the slabs
    have the same layout on every rank; the first on the side stream, each other on its own stream forked from
-   it and joined back, so that over 4 ranks the copy engines run the 3 at once), a barrier (no peer reads this rank's part any
-   more: the slot's next occupant may be written once this all-gather is waited for). The slot is registered
-   with c10d, so the graph's ``wait_tensor`` makes the compute stream wait for the side stream. The side
-   stream forks from the compute stream and joins it at the wait, which is also what CUDA-graph capture needs.
+   it and joined back, so that over 4 ranks the copy engines run the 3 at once), a barrier (no peer reads this
+   rank's part any more: the slot's next occupant may be written once this all-gather is waited for). The
+   slot is registered with c10d, so the graph's ``wait_tensor`` makes the compute stream wait for the side
+   stream, which forks from the compute stream and joins it at the wait (what CUDA-graph capture needs).
 How a gradient exchange into a slot runs (``exchange_into_slot_copy_engine``; the memory plan put the
 exchange's output, part ``i`` from rank ``i``, in a slot of the symmetric slab: ``exchange_into_slot``):
 on the side stream, after the compute stream, a barrier (every rank has reached this exchange, so every
@@ -127,10 +127,9 @@ def _on_side_stream() -> Iterator[None]:
 
 
 def _copy_at_once(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every (dst, src) pair, the first on the current (side) stream, each other on its own
-    stream, forked from the side stream and joined back into it: over more than 2 ranks the copy engines move
-    the peers' parts at the same time instead of one after another. Capturable by CUDA graphs (the forks join
-    before the side stream's work is registered)."""
+    """``dst.copy_(src)`` for every (dst, src) pair, the first on the current (side) stream, each other on a stream
+    forked from it and joined back: over more than 2 ranks the copy engines move the peers' parts at once.
+    Capturable by CUDA graphs (the forks join before the side stream's work is registered)."""
     for dst, src in pairs[:1]:  # on the side stream itself
         dst.copy_(src)
     if len(pairs) < 2:
@@ -141,14 +140,15 @@ def _copy_at_once(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     fork, streams = _copy_streams[side.device.index]
     while len(streams) < len(pairs) - 1:
         streams.append((torch.cuda.Stream(side.device), torch.cuda.Event()))
+    others = list(zip(pairs[1:], streams))
     fork.record(side)
-    for (dst, src), (stream, joined) in zip(pairs[1:], streams):
+    for (dst, src), (stream, joined) in others:
         stream.wait_event(fork)
         torch.cuda.set_stream(stream)
         dst.copy_(src)
         joined.record(stream)
     torch.cuda.set_stream(side)
-    for _, joined in streams[: len(pairs) - 1]:
+    for _, (_, joined) in others:
         side.wait_event(joined)
 
 
