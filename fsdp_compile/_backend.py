@@ -70,11 +70,6 @@ def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
     settings: dict[str, Any] = {"joint_custom_pre_pass": ReshardAfterForward()}
     if _dump.active():  # a graph from Inductor's caches would run no pass and log nothing to dump
         settings["force_disable_caches"] = True
-    if config.cudagraphs and "copy_engine" in (config.all_gather, config.grad_reduce):
-        # A graph from the caches runs no pass, so its symmetric slab is reserved at its first run, inside the
-        # CUDA graphs' warm-up, where the rendezvous's device-side tables land in the graphs' memory pool (which
-        # Inductor then refuses: "tensor(s) in the cudagraph pool not tracked as outputs"): compile afresh.
-        settings["force_disable_caches"] = True
     if config.cudagraphs:
         settings["triton.cudagraphs"] = True
     settings["post_grad_custom_post_pass"] = _post_grad_passes(config)

@@ -14,9 +14,7 @@ another slot's.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -94,11 +92,13 @@ def reserve_slab(group_name: str, device: torch.device, nbytes: int, symmetric: 
         if keep_old:
             _retired.append(slab)
         nbytes = max(nbytes, slab.memory.numel())
-    with _outside_graph_pools(device), _internals.outside_fake_mode():
+
+    def allocate() -> tuple[torch.Tensor, Any]:
         if symmetric:
-            memory, handle = symm_mem.slab(group_name, device, nbytes)
-        else:
-            memory, handle = torch.empty(nbytes, dtype=torch.uint8, device=device), None
+            return symm_mem.slab(group_name, device, nbytes)
+        return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+
+    memory, handle = _internals.outside_graph_pools(device, allocate)
     _slabs[key] = slab = Slab(memory, handle)
     lifetime.before_destroy("slabs", release_slabs)
     return slab
@@ -110,17 +110,6 @@ def release_slabs() -> None:
     next run (a collective: every rank runs the same graphs)."""
     _slabs.clear()
     _retired.clear()
-
-
-@contextlib.contextmanager
-def _outside_graph_pools(device: torch.device) -> Iterator[None]:
-    """Allocate on a stream of our own: a graph's first run under CUDA graphs allocates into the graphs'
-    memory pool (on the current stream), which must hold only the graphs' own tensors."""
-    if device.type != "cuda":
-        yield
-        return
-    with torch.cuda.stream(torch.cuda.Stream(device)):
-        yield
 
 
 def slab_of(group_name: str, device: torch.device) -> Slab:

@@ -20,20 +20,22 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train.py"
 EXIT_WITHIN_S = 30
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
-@pytest.mark.parametrize("all_gather, grad_reduce", [("nccl", "nccl"), ("copy_engine", "nccl"),
-                                                     ("copy_engine", "copy_engine")],
-                         ids=["nccl", "copy_engine", "copy_engine-exchange"])
-def test_a_torchrun_script_with_cuda_graphs_exits_after_destroy_process_group(
-    all_gather: str, grad_reduce: str
-) -> None:
+ROUTES = pytest.mark.parametrize(
+    "all_gather, grad_reduce", [("nccl", "nccl"), ("copy_engine", "nccl"), ("copy_engine", "copy_engine")],
+    ids=["nccl", "copy_engine", "copy_engine-exchange"],
+)
+
+
+def _train_with_cuda_graphs(all_gather: str, grad_reduce: str, env: dict[str, str] | None = None) -> float:
+    """Run the example with CUDA graphs on 2 GPUs; check it printed its parity line and exited 0; return how
+    long after that line it exited (s)."""
     command = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(EXAMPLE),
         "--steps", "3", "--cudagraphs", "--all-gather", all_gather, "--grad-reduce", grad_reduce,
     ]
     proc = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+        env={**os.environ, **(env or {})},
     )
     lines: list[tuple[float, str]] = []  # (when it was read, the line)
     stdout = proc.stdout
@@ -51,4 +53,29 @@ def test_a_torchrun_script_with_cuda_graphs_exits_after_destroy_process_group(
     last_step = [t for t, line in lines if line.startswith("parity vs unsharded")]
     assert last_step, output[-3000:]
     assert "OK" in output and proc.returncode == 0, output[-3000:]
-    assert ended - last_step[0] < EXIT_WITHIN_S, f"exited {ended - last_step[0]:.0f} s after its last step"
+    return ended - last_step[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+@ROUTES
+def test_a_torchrun_script_with_cuda_graphs_exits_after_destroy_process_group(
+    all_gather: str, grad_reduce: str
+) -> None:
+    exited_after = _train_with_cuda_graphs(all_gather, grad_reduce)
+    assert exited_after < EXIT_WITHIN_S, f"exited {exited_after:.0f} s after its last step"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+@ROUTES
+def test_a_second_process_runs_cuda_graphs_from_inductors_caches(
+    all_gather: str, grad_reduce: str, tmp_path: Path
+) -> None:
+    """The second run of the same script loads its graphs from Inductor's caches (no pass runs), so each
+    memory-plan slab is reserved at a graph's first run, inside the CUDA graphs' warm-up: it must not land in
+    their memory pool (``_internals.outside_graph_pools``), and the run must train as the first did."""
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path)}
+    _train_with_cuda_graphs(all_gather, grad_reduce, env)
+    assert any((tmp_path / "fxgraph").iterdir()), "the first run wrote nothing to Inductor's FX graph cache"
+    _train_with_cuda_graphs(all_gather, grad_reduce, env)

@@ -204,17 +204,23 @@ def test_a_workspace_grown_mid_step_is_counted() -> None:
     spawn_ranks(_workspace_grown_mid_step, 2, backend="nccl")
 
 
-def test_copy_engine_routes_under_cuda_graphs_compile_afresh() -> None:
-    """A graph from Inductor's caches would reserve its symmetric slab at its first run, inside the CUDA graphs'
-    warm-up, whose memory pool then holds the rendezvous's tables and Inductor refuses to run (seen on H100s:
-    the second process of a copy-engine + CUDA-graph job failed). So those compiles skip the caches."""
+def test_cuda_graph_compiles_keep_inductors_caches() -> None:
+    """Every route under CUDA graphs keeps Inductor's caches: a graph loaded from them reserves its slab at its
+    first run on a thread of its own, out of the CUDA graphs' pool (``_internals.outside_graph_pools``; run by
+    ``tests/test_gpu_exit.py::test_a_second_process_runs_cuda_graphs_from_inductors_caches``)."""
     from fsdp_compile._backend import _inductor_settings
     from fsdp_compile.config import BackendConfig
 
-    for options in ({"all_gather": "copy_engine"}, {"grad_reduce": "copy_engine"}):
-        assert _inductor_settings(BackendConfig(cudagraphs=True, **options))["force_disable_caches"] is True
-        assert "force_disable_caches" not in _inductor_settings(BackendConfig(**options))
-    assert "force_disable_caches" not in _inductor_settings(BackendConfig(cudagraphs=True))
+    for options in ({}, {"all_gather": "copy_engine"}, {"grad_reduce": "copy_engine"}):
+        assert "force_disable_caches" not in _inductor_settings(BackendConfig(cudagraphs=True, **options))
+
+
+def test_outside_graph_pools_returns_what_it_allocated_and_raises_what_it_raised() -> None:
+    from fsdp_compile._internals import outside_graph_pools
+
+    assert outside_graph_pools(torch.device("cpu"), lambda: torch.ones(2)).tolist() == [1.0, 1.0]
+    with pytest.raises(ValueError, match="no memory"):
+        outside_graph_pools(torch.device("cpu"), lambda: (_ for _ in ()).throw(ValueError("no memory")))
 
 
 def test_an_exchange_without_a_slot_stays_on_nccl_and_is_counted(scheduled: dict) -> None:

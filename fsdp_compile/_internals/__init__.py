@@ -21,8 +21,10 @@ Shims, each where it is used:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
+import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
 
@@ -34,7 +36,8 @@ __all__ = [
     "aot_autograd", "c10d_functional", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_store", "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
-    "list_mode_options", "lower_with_persistent_output", "make_boxed_func", "outside_fake_mode", "placeholder_source",
+    "list_mode_options", "lower_with_persistent_output", "make_boxed_func", "outside_fake_mode", "outside_graph_pools",
+    "placeholder_source",
     "min_cut_rematerialization_partition", "register_work", "run_observed",
     "set_optimizer_state_dict", "sharded_tensor", "step_op", "trace_log", "trace_structured",
 ]
@@ -116,6 +119,31 @@ def current_compile_id() -> str:
 
 group_named: Callable[[str], Any] = _need("torch.distributed.distributed_c10d", "_resolve_process_group")
 """The process group a functional collective's ``group_name`` names."""
+
+
+def outside_graph_pools(device: torch.device, allocate: Callable[[], T]) -> T:
+    """``allocate()`` (real tensors) where no CUDA graphs' pool takes its memory: Inductor's CUDA-graph trees send
+    every allocation of the thread that runs a graph's warm-up to their pool, whatever the stream
+    (``_cuda_beginAllocateCurrentThreadToPool``, torch 2.11 and 2.13), which must hold only the graphs' own
+    tensors ("not accounted for as an output of cudagraph trees"). On CUDA it runs on a thread of its own."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), outside_fake_mode():
+                result.append(allocate())
+        except BaseException as e:  # raised again on the calling thread
+            result.append(e)
+
+    if device.type == "cuda":
+        thread = threading.Thread(target=run, name="fsdp_compile-allocate")
+        thread.start()
+        thread.join()
+    else:
+        run()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 def register_work(tensor: torch.Tensor, work: Any) -> None:
