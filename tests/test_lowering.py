@@ -204,6 +204,42 @@ def test_a_workspace_grown_mid_step_is_counted() -> None:
     spawn_ranks(_workspace_grown_mid_step, 2, backend="nccl")
 
 
+def _copy_engines_in_a_group_made_again(rank: int, world_size: int) -> None:
+    """One compiled step on copy engines, the process group destroyed and made again (same name), the same step
+    again: the slabs are made afresh (``release_slabs``) and must rendezvous with the new group."""
+    import torch.distributed as dist
+
+    from fsdp_compile import _internals
+    from fsdp_compile.testing.llama import Block, Llama
+    from fsdp_compile.testing.reference import full_grads
+
+    store = _internals.group_store(dist.group.WORLD)
+    results = []
+    for attempt in range(2):
+        if attempt:
+            dist.destroy_process_group()
+            dist.init_process_group("nccl", store=dist.PrefixStore("again", store), rank=rank, world_size=world_size)
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Llama(LLAMA_TINY).cuda()
+        fsdp_compile.shard(model, units=[Block], mp=MP)
+        backend = fsdp_compile.backend(all_gather="copy_engine", grad_reduce="copy_engine")
+        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(rank))
+        tokens = tokens.cuda()
+        loss = torch.compile(model, backend=backend)(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        results.append({"loss": loss.detach(), **full_grads(model)})
+    torch.testing.assert_close(results[1], results[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_copy_engines_after_the_process_group_is_made_again() -> None:
+    from fsdp_compile.testing.dist import spawn_ranks
+
+    spawn_ranks(_copy_engines_in_a_group_made_again, 2, backend="nccl")
+
+
 def test_cuda_graph_compiles_keep_inductors_caches() -> None:
     """Every route under CUDA graphs keeps Inductor's caches: a graph loaded from them reserves its slab at its
     first run on a thread of its own, out of the CUDA graphs' pool (``_internals.outside_graph_pools``; run by

@@ -29,7 +29,7 @@ def module() -> ModuleType:
         symm_mem = importlib.import_module("torch.distributed._symmetric_memory")
     except ImportError as e:
         raise _missing("torch.distributed._symmetric_memory (a CUDA build of torch)", "use all_gather='nccl'") from e
-    needed = ("empty", "rendezvous", "get_symm_mem_workspace", "_get_backend_stream", "Work")
+    needed = ("_SymmetricMemory", "rendezvous", "get_symm_mem_workspace", "_get_backend_stream", "Work")
     missing = [n for n in needed if not hasattr(symm_mem, n)]
     if not hasattr(torch._C._distributed_c10d, "_register_work"):
         missing.append("torch._C._distributed_c10d._register_work")
@@ -57,9 +57,13 @@ def workspace(group_name: str, nbytes: int) -> Any:
 
 
 def slab(group_name: str, device: torch.device, nbytes: int) -> tuple[torch.Tensor, Any]:
-    """A symmetric allocation of ``nbytes`` on ``device`` and its handle (``rendezvous``: a collective)."""
+    """A symmetric allocation of ``nbytes`` on ``device`` and its handle (``rendezvous``: a collective). Not from
+    the implicit pool ``symm_mem.empty`` allocates from (2.11, 2.13): a segment freed into it comes back at the
+    same address, and ``rendezvous`` of that address returns the handle cached for the earlier allocation, with
+    no collective and the peers' mappings of the time (a process group made again under the same name included);
+    ranks that disagree on whether they hit that cache hang. Freed, this allocation is released (unmapped)."""
     symm_mem = _enabled(group_name)
-    memory = symm_mem.empty(nbytes, dtype=torch.uint8, device=device)
+    memory = symm_mem._SymmetricMemory.empty_strided_p2p((nbytes,), (1,), torch.uint8, device)
     return memory, symm_mem.rendezvous(memory, group_name)
 
 
