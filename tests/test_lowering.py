@@ -243,7 +243,7 @@ def test_copy_engines_after_the_process_group_is_made_again() -> None:
 def test_cuda_graph_compiles_keep_inductors_caches() -> None:
     """Every route under CUDA graphs keeps Inductor's caches: a graph loaded from them reserves its slab at its
     first run on a thread of its own, out of the CUDA graphs' pool (``_internals.outside_graph_pools``; run by
-    ``tests/test_gpu_exit.py::test_a_second_process_runs_cuda_graphs_from_inductors_caches``)."""
+    ``tests/test_gpu_exit.py``, its second run)."""
     from fsdp_compile._backend import _inductor_settings
     from fsdp_compile.config import BackendConfig
 
