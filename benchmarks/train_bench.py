@@ -23,7 +23,8 @@ projection, which backward needs first, is not resharded after forward):
 - ``fsdp_compile`` and its variants (``FSDP_COMPILE_VARIANTS``: one line each), among them
   ``fsdp_compile_cudagraphs`` (``backend(cudagraphs=True)``: no launch overhead) and
   ``fsdp_compile_copy_engine`` (``backend(all_gather="copy_engine")``: all-gathers off the SMs; GPU only) and
-  ``fsdp_compile_auto`` (``backend(all_gather="auto", grad_reduce="auto")``: the routes chosen for the group) and
+  ``fsdp_compile_nccl`` (``backend(all_gather="nccl", grad_reduce="nccl")``: every collective on NCCL; the
+  defaults, ``"auto"``, choose copy engines over 2 ranks on one host) and
   ``fsdp_compile_copy_engine_exchange`` (``all_gather="copy_engine", grad_reduce="copy_engine"``: no collective
   on the SMs; GPU only) and ``fsdp_compile_keep_gathered`` (``reshard_after_forward=False`` for every unit: no
   all-gather in backward, the gathered parameters held from forward to backward).
@@ -128,23 +129,22 @@ FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fsdp_compile_copy_engine_cudagraphs": ({"all_gather": "copy_engine", "cudagraphs": True}, {}),
     "fsdp_compile_unplanned": ({"memory_plan": False}, {}),
     "fsdp_compile_copy_engine_unplanned": ({"all_gather": "copy_engine", "memory_plan": False}, {}),
-    "fsdp_compile_auto": ({"all_gather": "auto", "grad_reduce": "auto"}, {}),
-    "fsdp_compile_auto_cudagraphs": ({"all_gather": "auto", "grad_reduce": "auto", "cudagraphs": True}, {}),
+    "fsdp_compile_nccl": ({"all_gather": "nccl", "grad_reduce": "nccl"}, {}),
+    "fsdp_compile_nccl_cudagraphs": ({"all_gather": "nccl", "grad_reduce": "nccl", "cudagraphs": True}, {}),
     "fsdp_compile_copy_engine_exchange": ({"all_gather": "copy_engine", "grad_reduce": "copy_engine"}, {}),
     "fsdp_compile_copy_engine_exchange_cudagraphs": (
         {"all_gather": "copy_engine", "grad_reduce": "copy_engine", "cudagraphs": True}, {}
     ),
-    "fsdp_compile_nccl_gather_copy_engine_exchange": ({"grad_reduce": "copy_engine"}, {}),
+    "fsdp_compile_nccl_gather_copy_engine_exchange": ({"all_gather": "nccl", "grad_reduce": "copy_engine"}, {}),
     "fsdp_compile_keep_gathered": ({}, {"keep_gathered": True}),
     "fsdp_compile_keep_gathered_cudagraphs": ({"cudagraphs": True}, {"keep_gathered": True}),
 }
 """fsdp_compile variants: name -> (``fsdp_compile.backend(**options)``, ``_shard(**options)``: ``keep_gathered``
 (every unit stays gathered from forward to backward: ``reshard_after_forward=False``, no all-gather in
 backward) and ``MixedPrecision(**options)`` beyond bf16/fp32). Add one line per new variant."""
-GPU_ONLY = {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items()
-            if {options.get("all_gather"), options.get("grad_reduce")} & {"copy_engine", "auto"}}
-"""Left out of the default systems on CPU (copy-engine collectives need GPUs; ``auto`` is NCCL there, the
-``fsdp_compile`` row again)."""
+GPU_ONLY = {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items() if {"all_gather", "grad_reduce"} & set(options)}
+"""Left out of the default systems on CPU: the variants that name a route (copy-engine collectives need GPUs; on
+CPU the default, ``auto``, is gloo, so an ``nccl`` variant is the ``fsdp_compile`` row again)."""
 KEEP_GATHERED = {name for name, (_, shard_options) in FSDP_COMPILE_VARIANTS.items()
                  if shard_options.get("keep_gathered")}
 """Another sharding policy than every other system's: left out of the defaults (name them in --systems)."""

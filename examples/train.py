@@ -91,9 +91,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description="Train a small Llama-style model with fsdp_compile.")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--cudagraphs", action="store_true", help="Inductor's CUDA graphs (GPUs)")
-    parser.add_argument("--all-gather", choices=["nccl", "copy_engine", "auto"], default="nccl",
+    parser.add_argument("--all-gather", choices=["nccl", "copy_engine", "auto"], default="auto",
                         help="the all-gathers' route")
-    parser.add_argument("--grad-reduce", choices=["nccl", "copy_engine", "auto"], default="nccl",
+    parser.add_argument("--grad-reduce", choices=["nccl", "copy_engine", "auto"], default="auto",
                         help="the gradient exchanges' route")
     parser.add_argument("--replicas", type=int, default=1, help="HSDP: shard over world size / replicas ranks")
     args = parser.parse_args()

@@ -68,24 +68,24 @@ class BackendConfig:
     once in backward; each holds its unit's gradient buffer, in the dtype it travels in, until it is waited
     for."""
 
-    all_gather: Literal["nccl", "copy_engine", "auto"] = "nccl"
+    all_gather: Literal["nccl", "copy_engine", "auto"] = "auto"
     """How the units' all-gathers run on GPUs. ``"nccl"``: NCCL kernels (they hold SMs while they run).
     ``"copy_engine"``: peer-to-peer memcpys through symmetric memory, on the GPUs' copy engines, leaving
     the SMs to the matmuls they overlap with (``lowering/lower_to_symm_mem.py``). Needs CUDA tensors, a
-    torch with symmetric memory, and GPUs with peer access (NVLink). ``"auto"``: per compiled graph, the
-    route measured faster for its groups' size (copy engines over 2 ranks on one host, NCCL otherwise:
-    ``lowering/choose_route.py``), NCCL wherever the copy engines cannot run; the choice and its reason are
-    logged (logger ``fsdp_compile``, and the ``fsdp_compile_all_gather_route`` artifact)."""
+    torch with symmetric memory, and GPUs with peer access (NVLink). ``"auto"`` (the default): per compiled
+    graph, the route measured faster for its groups' size (copy engines over 2 ranks on one host, NCCL
+    otherwise: ``lowering/choose_route.py``), NCCL wherever the copy engines cannot run (CPU tensors: gloo);
+    the choice and its reason are logged (logger ``fsdp_compile``, and the ``fsdp_compile_all_gather_route`` artifact)."""
 
-    grad_reduce: Literal["nccl", "copy_engine", "auto"] = "nccl"
+    grad_reduce: Literal["nccl", "copy_engine", "auto"] = "auto"
     """How the units' gradient exchanges run on GPUs (the all-to-alls of gradients in ``param_dtype``, summed in
     ``reduce_dtype`` by the receiver: ``MixedPrecision.exchange_grads_in_param_dtype``). ``"nccl"``: NCCL's
     all-to-all kernels. ``"copy_engine"``: each rank pushes each peer's part of its gradient into that peer's
     slot of the memory plan (peer-to-peer memcpys into symmetric memory, on the copy engines), so that no
     collective holds SMs in backward; needs ``memory_plan=True`` and what ``all_gather="copy_engine"`` needs,
     and refuses units that reduce-scatter instead (``reduce_dtype == param_dtype``, or the exchange switched
-    off). ``"auto"``: the route ``all_gather="auto"`` chooses, for the exchanges (reduce-scatters stay on
-    NCCL)."""
+    off). ``"auto"`` (the default): the route ``all_gather="auto"`` chooses, for the exchanges (reduce-scatters
+    stay on NCCL; NCCL without the memory plan)."""
 
     memory_plan: bool = True
     """Apply the memory plan (``passes/plan_memory.py``): every all-gather whose output does not outlive its

@@ -36,12 +36,13 @@ STEPS = 3
 # 23 ms GPU idle per step and 0.08 ms overlapped while rank 1 had 6.7 ms overlapped).
 MEDIUM = LlamaConfig(vocab_size=8192, dim=2048, n_layers=8, n_heads=16, ffn_dim=5632, max_seq_len=2048)
 BATCH = 4
+NCCL = {"all_gather": "nccl", "grad_reduce": "nccl"}  # fixed routes (the default, "auto", depends on the host)
 CONFIGS = {
-    "on": {},
-    "off": {"overlap": False},
-    "unplanned": {"memory_plan": False},
-    "copy_engine": {"all_gather": "copy_engine"},
-    "copy_engine_unplanned": {"all_gather": "copy_engine", "memory_plan": False},
+    "on": NCCL,
+    "off": {**NCCL, "overlap": False},
+    "unplanned": {**NCCL, "memory_plan": False},
+    "copy_engine": {**NCCL, "all_gather": "copy_engine"},
+    "copy_engine_unplanned": {**NCCL, "all_gather": "copy_engine", "memory_plan": False},
     "copy_engine_exchange": {"all_gather": "copy_engine", "grad_reduce": "copy_engine"},
 }
 """The overlap pass on (NCCL all-gathers, into slots), off, on without the memory plan, and on with

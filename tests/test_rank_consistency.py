@@ -75,7 +75,7 @@ def _auto_chooses_per_rank(rank: int, world_size: int) -> None:
     from fsdp_compile import _backend
 
     def choose(gm: object, plan: object, config: BackendConfig) -> BackendConfig:  # as peer access might
-        return dataclasses.replace(config, all_gather="copy_engine" if rank == 0 else "nccl")
+        return dataclasses.replace(config, all_gather="copy_engine" if rank == 0 else "nccl", grad_reduce="nccl")
 
     _backend._choose_routes = choose
     model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
