@@ -142,7 +142,8 @@ FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 """fsdp_compile variants: name -> (``fsdp_compile.backend(**options)``, ``_shard(**options)``: ``keep_gathered``
 (every unit stays gathered from forward to backward: ``reshard_after_forward=False``, no all-gather in
 backward) and ``MixedPrecision(**options)`` beyond bf16/fp32). Add one line per new variant."""
-GPU_ONLY = {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items() if {"all_gather", "grad_reduce"} & set(options)}
+GPU_ONLY = {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items()
+            if {"all_gather", "grad_reduce"} & set(options)}
 """Left out of the default systems on CPU: the variants that name a route (copy-engine collectives need GPUs; on
 CPU the default, ``auto``, is gloo, so an ``nccl`` variant is the ``fsdp_compile`` row again)."""
 KEEP_GATHERED = {name for name, (_, shard_options) in FSDP_COMPILE_VARIANTS.items()

@@ -75,7 +75,8 @@ class BackendConfig:
     torch with symmetric memory, and GPUs with peer access (NVLink). ``"auto"`` (the default): per compiled
     graph, the route measured faster for its groups' size (copy engines over 2 ranks on one host, NCCL
     otherwise: ``lowering/choose_route.py``), NCCL wherever the copy engines cannot run (CPU tensors: gloo);
-    the choice and its reason are logged (logger ``fsdp_compile``, and the ``fsdp_compile_all_gather_route`` artifact)."""
+    the choice and its reason are logged (logger ``fsdp_compile``, and the ``fsdp_compile_all_gather_route``
+    artifact)."""
 
     grad_reduce: Literal["nccl", "copy_engine", "auto"] = "auto"
     """How the units' gradient exchanges run on GPUs (the all-to-alls of gradients in ``param_dtype``, summed in
