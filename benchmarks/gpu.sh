@@ -13,8 +13,9 @@
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=4096 SYSTEMS="no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile fsdp2_compile_hsdp fsdp_compile_hsdp" bash benchmarks/gpu.sh   # HSDP 2 x 2 beside FSDP over 4
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=8192 TAG=8b SYSTEMS="fsdp2_compile fsdp_compile" BENCH_ARGS="--model 8.8b --checkpoint selective --seq-cap 8192" bash benchmarks/gpu.sh
 # On 4 GPUs the 2-GPU tests run on two GPU pairs side by side, then the 4-GPU tests (test ids with "4gpus").
-# Measured on the 4-GPU host (2026-11-27): the pairs ~5 minutes (pair a, the 2-GPU parity cases and the
-# profile, is the longer), the 4-GPU tests ~5 minutes: two calls,
+# Measured on the 4-GPU host (2026-11-27, session 15): the pairs 7.6 and 7.0 minutes (pair a, the 2-GPU parity
+# cases and the profile; pair b, the exit test's two runs of the example per route and the rest), the 4-GPU
+# tests 8.7 minutes (near TEST_TIMEOUT: split them with PYTEST_K when adding one): two calls,
 #   OUT=/tmp/out BENCH=0 PYTEST_K="not 4gpus" TEST_TIMEOUT=540 bash benchmarks/gpu.sh
 #   OUT=/tmp/out BENCH=0 PYTEST_K="4gpus" TEST_TIMEOUT=540 bash benchmarks/gpu.sh
 # On 8 GPUs the tests with "8gpus" in their id run last (FSDP over 8, HSDP 2 x 4 and 4 x 2): a third call,

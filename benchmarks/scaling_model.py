@@ -412,7 +412,7 @@ def _header(title: str, columns: str) -> None:
 
 
 def print_check(rows: list[CheckRow]) -> None:
-    _header("CHECK: fsdp_compile (FSDP, NCCL, defaults) measured vs the model fed the same run's bound "
+    _header("CHECK: fsdp_compile (FSDP, default options) measured vs the model fed the same run's bound "
             "forward+backward",
             "case | GPUs | tokens/GPU | runs | bound fwd+bwd ms | step ms meas / model | err | "
             "fwd+bwd ms meas / model | exposed ms meas / model | host ms")

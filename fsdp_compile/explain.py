@@ -44,6 +44,8 @@ class GraphDump:
     """Stage (``forward``, ``backward``) -> the ``schedule_overlap`` plan."""
     memory: dict[str, Any] | None = None
     """The last memory plan (after backward: the whole step's)."""
+    route: dict[str, str] | None = None
+    """The all-gather route ``"auto"`` chose, and why (``lowering/choose_route.py``); None for a fixed route."""
 
     @property
     def fingerprint(self) -> str:
@@ -82,7 +84,7 @@ def _lines(path: Path) -> list[str]:
 
 def _graph(rank: int, folder: Path) -> GraphDump | None:
     units: list[dict[str, Any]] | None = None
-    schedules, memory = {}, None
+    schedules, memory, route = {}, None, None
     files = [(match, path) for path in folder.iterdir() if (match := _FILE.match(path.name)) and match[4] == "json"]
     for match, path in sorted(files, key=lambda f: int(f[0][1])):  # in the order logged: the last memory plan wins
         stage, name = match[2], match[3]
@@ -92,7 +94,9 @@ def _graph(rank: int, folder: Path) -> GraphDump | None:
             schedules[stage] = json.loads(path.read_text())
         elif name == "memory_plan":
             memory = json.loads(path.read_text())
-    return None if units is None else GraphDump(rank, folder.name, units, schedules, memory)
+        elif name == "all_gather_route":
+            route = json.loads(path.read_text())
+    return None if units is None else GraphDump(rank, folder.name, units, schedules, memory, route)
 
 
 def _mib(nbytes: float) -> str:
@@ -214,6 +218,8 @@ def report(dump: Dump, trace: Measured | None = None) -> str:
         hsdp = f" x {replicas} replicas" if replicas > 1 else ""
         lines += ["", f"{g.name}: {len(g.units)} units over {world} ranks{hsdp}"]
         lines += _units_table(g.units)
+        if g.route:
+            lines.append(f"all-gather route chosen by 'auto': {g.route['route']} ({g.route['reason']})")
         for stage in ("forward", "backward"):
             if stage in g.schedules:
                 lines += _schedule_lines(stage, g.schedules[stage])

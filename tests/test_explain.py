@@ -25,7 +25,7 @@ from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 SVG = "{http://www.w3.org/2000/svg}"
 STAGE_FILES = [
     "dynamo_dynamo_output_graph.py", "dynamo_units.json", "dynamo_collectives_plan.json",
-    "dynamo_insert_collectives_before.py", "dynamo_insert_collectives_after.py",
+    "dynamo_insert_collectives_before.py", "dynamo_all_gather_route.json", "dynamo_insert_collectives_after.py",
     "joint_reshard_after_forward_before.py",
     "joint_reshard_after_forward_plan.json", "joint_reshard_after_forward_after.py",
     *(f"{stage}_{name}" for stage in ("forward", "backward") for name in (
@@ -78,7 +78,7 @@ def test_the_dump_folder_holds_every_pass_and_plan_for_each_rank_and_graph(dump:
         assert re.fullmatch(r"graph_\d+_0", graph.name)
         names = sorted(p.name for p in graph.iterdir())
         assert [re.sub(r"^\d+_", "", n) for n in names] == STAGE_FILES, names  # numbered in the order logged
-        after = (graph / names[4]).read_text()  # the Dynamo graph after insert_collectives
+        after = (graph / names[STAGE_FILES.index("dynamo_insert_collectives_after.py")]).read_text()
         assert "# The unit of each collective:" in after and "layers.0" in after
         units = json.loads((graph / names[1]).read_text())
         assert [u["fqn"] for u in units] == ["", "layers.0", "layers.1", "layers.2", "layers.3"]
@@ -92,6 +92,7 @@ def test_explain_prints_the_units_the_collectives_the_memory_plan_and_draws_the_
     out = proc.stdout
     assert "ranks [0, 1]; rank 0 shown" in out
     assert "| layers.0 | 9 | 8,768 | 4,384 | 0 | torch.float32 | torch.float32 | reduce_scatter | True |" in out
+    assert "all-gather route chosen by 'auto': nccl (all-gathers on cpu: copy engines need CUDA tensors)" in out
     assert "forward: 5 all-gathers (prefetch 1)" in out
     assert "backward: 5 all-gathers (prefetch 1), 5 gradient reductions (at most 2 in flight)" in out
     assert re.search(r"all-gather +2 +layers\.0 +all_gather_into_tensor_1 +issued 1 unit\(s\) ahead", out), out
