@@ -347,11 +347,14 @@ def test_parity_world_size_one() -> None:
         (torch.float64, torch.float64, {"all_gather": "copy_engine"}),
         (torch.float32, torch.bfloat16, {"all_gather": "copy_engine", "cudagraphs": True}),
         (torch.float32, torch.bfloat16, {"all_gather": "auto", "grad_reduce": "auto"}),
+        (torch.float32, torch.bfloat16, {"all_gather": "auto", "grad_reduce": "auto", "micro_batches": 2,
+                                         "gradient_sync": False, "checkpoint": True}),
         (torch.float32, torch.bfloat16, {"all_gather": "copy_engine", "grad_reduce": "copy_engine"}),
         (torch.float32, torch.bfloat16, {"all_gather": "copy_engine", "grad_reduce": "copy_engine", "cudagraphs": True}),
     ],
-    ids=["fp64", "bf16-fp32reduce", "bf16-fp32reduce-cudagraphs", "fp64-copy_engine", "bf16-fp32reduce-copy_engine-cudagraphs",
-         "bf16-fp32reduce-auto", "bf16-fp32reduce-copy_engine-exchange", "bf16-fp32reduce-copy_engine-exchange-cudagraphs"],
+    ids=["fp64", "bf16-fp32reduce", "bf16-fp32reduce-cudagraphs", "fp64-copy_engine",
+         "bf16-fp32reduce-copy_engine-cudagraphs", "bf16-fp32reduce-auto", "bf16-fp32reduce-auto-accumulated-checkpointed",
+         "bf16-fp32reduce-copy_engine-exchange", "bf16-fp32reduce-copy_engine-exchange-cudagraphs"],
 )
 def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype, options: dict) -> None:
     spawn_ranks(_train_and_compare, 2, Case("inductor", dtype, param_dtype, device="cuda", **options), backend="nccl")
