@@ -21,7 +21,6 @@ Shims, each where it is used:
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import importlib
 import threading
@@ -126,21 +125,21 @@ def outside_graph_pools(device: torch.device, allocate: Callable[[], T]) -> T:
     every allocation of the thread that runs a graph's warm-up to their pool, whatever the stream
     (``_cuda_beginAllocateCurrentThreadToPool``, torch 2.11 and 2.13), which must hold only the graphs' own
     tensors ("not accounted for as an output of cudagraph trees"). On CUDA it runs on a thread of its own."""
+    if device.type != "cuda":
+        with outside_fake_mode():
+            return allocate()
     result: list[Any] = []
 
     def run() -> None:
         try:
-            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext(), outside_fake_mode():
+            with torch.cuda.device(device), outside_fake_mode():
                 result.append(allocate())
         except BaseException as e:  # raised again on the calling thread
             result.append(e)
 
-    if device.type == "cuda":
-        thread = threading.Thread(target=run, name="fsdp_compile-allocate")
-        thread.start()
-        thread.join()
-    else:
-        run()
+    thread = threading.Thread(target=run, name="fsdp_compile-allocate")
+    thread.start()
+    thread.join()
     if isinstance(result[0], BaseException):
         raise result[0]
     return result[0]
