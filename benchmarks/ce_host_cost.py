@@ -3,7 +3,7 @@ all-gather and gradient exchange on the copy-engine routes (the GPU barely works
 
     torchrun --nproc_per_node 2 benchmarks/ce_host_cost.py [--json results/ce_host_cost.json]
 
-Rows: the whole ops as a compiled graph calls them (``torch.ops.fsdp_compile.*``, then ``wait_tensor``),
+Rows: the whole ops as a compiled graph calls them (``torch.ops.fsdp_compile.*``, then ``wait_copy_engine``),
 NCCL's functional all-gather for reference, and each piece of the copy-engine ops' bodies alone (the rows run
 on the side stream include switching to it: the ``with torch.cuda.stream(side)`` row). Then a profiler table
 of one op's calls: which CUDA runtime calls the host time goes to.
@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from fsdp_compile import _slots
 from fsdp_compile._internals import symm_mem
-from fsdp_compile.lowering import lower_to_symm_mem as ce
+from fsdp_compile.lowering import _streams
 
 PART_NUMEL = 512 * 1024  # bf16: 1 MiB per rank
 
@@ -63,15 +63,15 @@ def main() -> None:
     gradient = torch.randn(numel, device=device, dtype=torch.bfloat16)
     ops, c10d = torch.ops.fsdp_compile, torch.ops._c10d_functional
     side, compute = symm_mem.backend_stream(), torch.cuda.current_stream()
-    pairs = slab.peer_parts(out, world)
+    pairs = slab.pulls(out, world)[1]
 
     def gather() -> None:
         ops.all_gather_into_slot_copy_engine(shard, world, group, out)
-        c10d.wait_tensor(out)
+        ops.wait_copy_engine(out, None)
 
     def exchange() -> None:
         ops.exchange_into_slot_copy_engine(gradient, world, group, out)
-        c10d.wait_tensor(out)
+        ops.wait_copy_engine(out, gradient)
 
     def nccl() -> None:
         c10d.wait_tensor(c10d.all_gather_into_tensor(shard, world, group))
@@ -82,7 +82,7 @@ def main() -> None:
 
     def copies() -> None:
         with torch.cuda.stream(side):
-            ce._copy_at_once(pairs)
+            _streams.copy_at_once(pairs)
         compute.wait_stream(side)
 
     def register() -> None:
@@ -90,13 +90,24 @@ def main() -> None:
             symm_mem.register_work(out)
         c10d.wait_tensor(out)
 
+    def record() -> None:
+        with torch.cuda.stream(side):
+            _streams.record_done(out)
+        ops.wait_copy_engine(out, None)
+
+    def side_stream() -> None:
+        with _streams.on_side_stream():
+            pass
+
     rows = {
         "all_gather_into_slot_copy_engine + wait": gather,
         "exchange_into_slot_copy_engine + wait": exchange,
         "NCCL all_gather_into_tensor + wait": nccl,
         "barrier (side stream)": barrier,
-        f"_copy_at_once ({world - 1} peer copies) + join": copies,
-        "register_work + wait_tensor": register,
+        f"copy_at_once ({world - 1} peer copies) + join": copies,
+        "register_work + wait_tensor (the workspace route's wait)": register,
+        "record_done + wait_copy_engine (the slots' wait)": record,
+        "on_side_stream(): pass": side_stream,
         "side.wait_stream(compute)": lambda: side.wait_stream(compute),
         "with torch.cuda.stream(side): pass": _stream_context(side),
         "local copy_ (1 MiB)": lambda: out[:PART_NUMEL].copy_(shard),

@@ -17,6 +17,7 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile import _internals, debug
+from fsdp_compile._internals import inductor
 
 __all__ = [
     "ALL_GATHER",
@@ -110,7 +111,7 @@ class GraphPass(_internals.CustomGraphPass):  # type: ignore[misc, valid-type]
     """One pass as Inductor runs custom passes: ``plan`` (pure), then ``apply`` (mutates), inside Inductor's
     ``GraphTransformObserver``; the graph before and after and the plan as the structured artifacts
     ``fsdp_compile_<name>_before``, ``_after`` and ``_plan`` (the dump folder's files); one log line.
-    ``uuid()`` hashes the pass's module, this one and
+    ``uuid()`` hashes the pass's module, this one, ``_internals`` (and how Inductor lowers the library's ops) and
     ``options()``, so the FX graph cache keeps working and never reuses a graph another version built."""
 
     name: ClassVar[str]
@@ -147,4 +148,4 @@ class GraphPass(_internals.CustomGraphPass):  # type: ignore[misc, valid-type]
         return _internals.hash_sources(self.sources(), self.options())
 
     def sources(self) -> Sequence[str]:
-        return (inspect.getfile(type(self)), __file__)
+        return (inspect.getfile(type(self)), __file__, _internals.__file__, inductor.__file__)

@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from fsdp_compile import _internals
 from fsdp_compile._graph import ALL_GATHER, CASTS, EXCHANGE, lint_and_recompile
-from fsdp_compile._internals import lifetime, symm_mem
+from fsdp_compile._internals import inductor, lifetime, symm_mem
 from fsdp_compile._liveness import last_read
 
 __all__ = [
@@ -44,29 +44,30 @@ class Slab:
     """The symmetric-memory handle (peers' buffers, barriers), or None for plain memory."""
     slots: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     """(byte offset, numel, dtype) -> the slot's tensor."""
-    _peer_parts: dict[tuple[str, int, int, torch.dtype], list[tuple[int, torch.Tensor]]] = field(default_factory=dict)
+    _views: dict[tuple[str, int, int, torch.dtype], Any] = field(default_factory=dict)
 
-    def peer_parts(self, gathered: torch.Tensor, group_size: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """For an all-gather's output ``gathered`` in this (symmetric) slab: (the peer's part in ``gathered``,
-        the same part in the peer's slab) for every peer: the parts to pull."""
-        mine = gathered.view(group_size, -1)
-        return [(mine[peer], theirs) for peer, theirs in self._parts("pull", gathered, group_size)]
+    def pulls(self, gathered: torch.Tensor, group_size: int) -> tuple[torch.Tensor, list[tuple[Any, torch.Tensor]]]:
+        """For an all-gather's output ``gathered`` in this (symmetric) slab: this rank's part of it, and (the peer's
+        part of it, the same part in the peer's slab) for every peer: the parts to pull."""
+        return self._made_once("pull", gathered, group_size)  # type: ignore[no-any-return]
 
-    def pushed_parts(self, exchanged: torch.Tensor, group_size: int) -> list[tuple[int, torch.Tensor]]:
-        """For an exchange's output ``exchanged`` in this (symmetric) slab: (peer, this rank's part of the same
-        place in the peer's slab) for every peer: where to push the peer's part of this rank's gradient."""
-        return self._parts("push", exchanged, group_size)
+    def pushes(self, exchanged: torch.Tensor, group_size: int) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
+        """For an exchange's output ``exchanged`` in this (symmetric) slab: this rank's part of it, and (peer, this
+        rank's part of the same place in the peer's slab) for every peer: where this rank's gradient parts go."""
+        return self._made_once("push", exchanged, group_size)  # type: ignore[no-any-return]
 
-    def _parts(self, way: str, tensor: torch.Tensor, group_size: int) -> list[tuple[int, torch.Tensor]]:
-        """Views of the peers' slabs, made once per place (the slabs have one layout on every rank)."""
+    def _made_once(self, way: str, tensor: torch.Tensor, group_size: int) -> Any:
+        """The views of ``pulls`` and ``pushes``, made once per place (the slabs have one layout on every rank):
+        a view costs a few µs of host time at every collective."""
         key = (way, tensor.data_ptr() - self.memory.data_ptr(), tensor.numel(), tensor.dtype)
-        if key not in self._peer_parts:
+        if key not in self._views:
             start, part = key[1] // tensor.element_size(), tensor.numel() // group_size
-            rank = self.handle.rank
-            where = {peer: start + (peer if way == "pull" else rank) * part for peer in range(group_size)}
-            peers = [peer for peer in where if peer != rank]
-            self._peer_parts[key] = [(p, self.handle.get_buffer(p, (part,), tensor.dtype, where[p])) for p in peers]
-        return self._peer_parts[key]
+            rank, mine = self.handle.rank, tensor.view(group_size, -1)
+            at = {peer: start + (peer if way == "pull" else rank) * part for peer in range(group_size) if peer != rank}
+            theirs = {peer: self.handle.get_buffer(peer, (part,), tensor.dtype, at[peer]) for peer in at}
+            peers = [(mine[peer], buffer) if way == "pull" else (peer, buffer) for peer, buffer in theirs.items()]
+            self._views[key] = (mine[rank], peers)
+        return self._views[key]
 
 
 _slabs: dict[tuple[str, str], Slab] = {}
@@ -138,7 +139,7 @@ def slot(
 ) -> torch.Tensor:
     """The slot of ``numel`` elements of ``dtype`` at byte ``offset`` of the group's slab (of ``slab_bytes`` at
     least): the same memory at every call. Inductor never reuses it for its own buffers
-    (``lower_with_persistent_output``); the collectives that write it are ordered after the previous
+    (``_internals.inductor.lower_with_persistent_output``); the collectives that write it are ordered after the previous
     occupant's readers by the graph ([Note: memory plan])."""
     slab = reserve_slab(group_name, device, slab_bytes, symmetric)
     key = (offset, numel, dtype)
@@ -148,7 +149,7 @@ def slot(
 
 
 SLOT = slot
-_internals.lower_with_persistent_output(SLOT)
+inductor.lower_with_persistent_output(SLOT)
 
 INTO_SLOT_SCHEMA = "(Tensor input, SymInt group_size, str group_name, Tensor(a!) out) -> ()"
 """A collective into a slot (an all-gather, an exchange, and their routes): ``out`` is written in place."""
@@ -195,6 +196,8 @@ def wait_exchange(out: torch.Tensor, gradient: torch.Tensor) -> None:
 
 EXCHANGE_INTO_SLOT = exchange_into_slot
 WAIT_EXCHANGE = wait_exchange
+for _op in (INTO_SLOT, EXCHANGE_INTO_SLOT, WAIT_EXCHANGE):  # each writes (or "mutates") its out
+    inductor.lower_as_mutation(_op)
 
 
 @dataclass(frozen=True)

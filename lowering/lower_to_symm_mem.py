@@ -5,10 +5,11 @@ all-gathers run on CUDA tensors: into a slot of the group's symmetric slab (``fs
 the memory plan applied) or into a buffer of their own (``_c10d_functional.all_gather_into_tensor`` ->
 ``wait_tensor``: the plan not applied, or an output kept for backward).
 Postcondition: an all-gather into a slot is ``fsdp_compile.all_gather_into_slot_copy_engine``, with the same
-arguments. Any other all-gather is ``fsdp_compile.all_gather_copy_engine``, with the graph's largest shard in
+arguments, and its ``wait_tensor(out)`` is ``fsdp_compile.wait_copy_engine(out, None)`` (its readers read
+``out``). Any other all-gather is ``fsdp_compile.all_gather_copy_engine``, with the graph's largest shard in
 bytes (its staging workspace) as one more argument. With ``grad_reduce``, a gradient exchange into a slot
 (``fsdp_compile.exchange_into_slot``) is ``fsdp_compile.exchange_into_slot_copy_engine``, with the same
-arguments. Nothing moves.
+arguments, and its ``wait_exchange(out, gradient)`` is ``wait_copy_engine(out, gradient)``. Nothing moves.
 
 Why: NCCL's all-gather kernels hold SMs (24 on H100) while they run, and the matmuls that the overlap
 schedule puts beside them run slower for it (NCCL's all-to-alls in backward too). A copy-engine collective
@@ -21,16 +22,17 @@ How an all-gather into a slot runs (``all_gather_into_slot_copy_engine``), on ``
    is in place), ``w - 1`` memcpys of the peers' parts of the same slot into this rank's slot (the slabs
    have the same layout on every rank; the first on the side stream, each other on its own stream forked from
    it and joined back, so that over 4 ranks the copy engines run the 3 at once), a barrier (no peer reads this
-   rank's part any more: the slot's next occupant may be written once this all-gather is waited for). The
-   slot is registered with c10d, so the graph's ``wait_tensor`` makes the compute stream wait for the side
-   stream, which forks from the compute stream and joins it at the wait (what CUDA-graph capture needs).
+   rank's part any more: the slot's next occupant may be written once this all-gather is waited for), an
+   event recorded (made once per slot: ``lowering/_streams.py``); the graph's ``wait_copy_engine`` makes the
+   compute stream wait for it: the side stream forks from the compute stream and joins it at the wait (what
+   CUDA-graph capture needs).
 How a gradient exchange into a slot runs (``exchange_into_slot_copy_engine``; the memory plan put the
 exchange's output, part ``i`` from rank ``i``, in a slot of the symmetric slab: ``exchange_into_slot``):
 on the side stream, after the compute stream, a barrier (every rank has reached this exchange, so every
 peer's slot is free of its previous occupant), ``w - 1`` memcpys of each peer's part of this rank's gradient
 into this rank's part of the same slot in that peer's slab (pushes: the gradient stays where Inductor put
-it), a copy of this rank's own part, a barrier (every push into this rank's slot is done); the graph's
-``wait_exchange`` joins the side stream back and keeps the gradient alive until then. An exchange the plan
+it), a copy of this rank's own part, a barrier (every push into this rank's slot is done), an event; the
+graph's ``wait_copy_engine`` joins the side stream back and keeps the gradient alive until then. An exchange the plan
 left without a slot (a symbolic size) stays on NCCL, said once.
 An all-gather into its own buffer (``all_gather_copy_engine``) also copies its part into this rank's slice of
 the group's symmetric workspace first (``get_symm_mem_workspace``), and the peers read it from there. The
@@ -44,9 +46,8 @@ all-gathers on other devices.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,17 +55,18 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile import _internals
-from fsdp_compile._internals import symm_mem
-from fsdp_compile._graph import (
-    ALL_GATHER,
-    EXCHANGE,
-    GraphPass,
-    lint_and_recompile,
-    named,
-    plan_json,
+from fsdp_compile._internals import inductor, symm_mem
+from fsdp_compile._graph import ALL_GATHER, EXCHANGE, WAIT, GraphPass, lint_and_recompile, named, plan_json
+from fsdp_compile._slots import (
+    EXCHANGE_INTO_SLOT,
+    INTO_SLOT,
+    INTO_SLOT_SCHEMA,
+    WAIT_EXCHANGE,
+    into_slot_fake,
+    slab_of,
 )
-from fsdp_compile._slots import EXCHANGE_INTO_SLOT, INTO_SLOT, INTO_SLOT_SCHEMA, into_slot_fake, slab_of
 from fsdp_compile.debug import degraded
+from fsdp_compile.lowering._streams import WAIT_COPY_ENGINE, copy_at_once, on_side_stream, record_done
 
 __all__ = [
     "LowerToSymmMem",
@@ -108,50 +110,6 @@ def reserve_workspace(group_name: str, nbytes: int) -> Any:
     return symm_mem.workspace(group_name, _workspace_bytes[group_name])
 
 
-_copy_streams: dict[int, tuple[torch.cuda.Event, list[tuple[torch.cuda.Stream, torch.cuda.Event]]]] = {}
-"""Per device: an event to fork from the side stream, the streams peer copies run on besides symmetric memory's
-own, each with an event to join back; made once (``torch.cuda.stream()``, ``wait_stream``: 5-12 µs a call)."""
-
-
-@contextlib.contextmanager
-def _on_side_stream() -> Iterator[None]:
-    """Symmetric memory's side stream made current, after the work the compute stream has so far; the compute
-    stream current again at the end."""
-    compute, side = torch.cuda.current_stream(), symm_mem.backend_stream()
-    side.wait_stream(compute)
-    torch.cuda.set_stream(side)
-    try:
-        yield
-    finally:
-        torch.cuda.set_stream(compute)
-
-
-def _copy_at_once(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every (dst, src) pair, the first on the current (side) stream, each other on a stream
-    forked from it and joined back: over more than 2 ranks the copy engines move the peers' parts at once.
-    Capturable by CUDA graphs (the forks join before the side stream's work is registered)."""
-    for dst, src in pairs[:1]:  # on the side stream itself
-        dst.copy_(src)
-    if len(pairs) < 2:
-        return
-    side = torch.cuda.current_stream()
-    if side.device.index not in _copy_streams:
-        _copy_streams[side.device.index] = (torch.cuda.Event(), [])
-    fork, streams = _copy_streams[side.device.index]
-    while len(streams) < len(pairs) - 1:
-        streams.append((torch.cuda.Stream(side.device), torch.cuda.Event()))
-    others = list(zip(pairs[1:], streams))
-    fork.record(side)
-    for (dst, src), (stream, joined) in others:
-        stream.wait_event(fork)
-        torch.cuda.set_stream(stream)
-        dst.copy_(src)
-        joined.record(stream)
-    torch.cuda.set_stream(side)
-    for _, (_, joined) in others:
-        side.wait_event(joined)
-
-
 def _gathered_fake(shard: torch.Tensor, group_size: int, group_name: str, workspace_bytes: int) -> torch.Tensor:
     return shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
 
@@ -177,10 +135,10 @@ def all_gather_copy_engine(
     output = shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
     parts = output.chunk(group_size)
     parts[workspace.rank].copy_(shard)
-    with _on_side_stream():
+    with on_side_stream():
         workspace.get_buffer(workspace.rank, shard.shape, shard.dtype).copy_(parts[workspace.rank])
         workspace.barrier()
-        _copy_at_once([(part, workspace.get_buffer(rank, shard.shape, shard.dtype))
+        copy_at_once([(part, workspace.get_buffer(rank, shard.shape, shard.dtype))
                        for rank, part in enumerate(parts) if rank != workspace.rank])
         workspace.barrier()
         symm_mem.register_work(output)  # its event: recorded on `side`
@@ -192,16 +150,15 @@ def all_gather_copy_engine(
 )
 def all_gather_into_slot_copy_engine(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
     """``all_gather_into_slot`` by copy engines: ``out`` is (a view of) a slot of the group's symmetric slab;
-    wait with ``wait_tensor(out)`` (steps: the module docstring)."""
+    wait with ``wait_copy_engine(out, None)`` (steps: the module docstring)."""
     slab = slab_of(group_name, out.device)
-    rank = slab.handle.rank
-    parts = out.view(group_size, -1)
-    parts[rank].copy_(shard)
-    with _on_side_stream():
+    mine, pulls = slab.pulls(out, group_size)
+    mine.copy_(shard)
+    with on_side_stream():
         slab.handle.barrier()
-        _copy_at_once(slab.peer_parts(out, group_size))
+        copy_at_once(pulls)
         slab.handle.barrier()
-        symm_mem.register_work(out)  # its event: recorded on `side`
+        record_done(out)
 
 
 @_internals.step_op(
@@ -209,16 +166,20 @@ def all_gather_into_slot_copy_engine(shard: torch.Tensor, group_size: int, group
 )
 def exchange_into_slot_copy_engine(gradient: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
     """``exchange_into_slot`` by copy engines: ``out`` is (a view of) a slot of the group's symmetric slab; wait
-    with ``wait_exchange(out, gradient)`` (steps: the module docstring)."""
+    with ``wait_copy_engine(out, gradient)`` (steps: the module docstring)."""
     slab = slab_of(group_name, out.device)
-    rank = slab.handle.rank
-    mine = gradient.view(group_size, -1)
-    with _on_side_stream():
+    mine, pushes = slab.pushes(out, group_size)
+    parts = gradient.view(group_size, -1).unbind()
+    with on_side_stream():
         slab.handle.barrier()
-        out.view(group_size, -1)[rank].copy_(mine[rank])
-        _copy_at_once([(theirs, mine[peer]) for peer, theirs in slab.pushed_parts(out, group_size)])
+        mine.copy_(parts[slab.handle.rank])
+        copy_at_once([(theirs, parts[peer]) for peer, theirs in pushes])
         slab.handle.barrier()
-        symm_mem.register_work(out)  # its event: recorded on `side`
+        record_done(out)
+
+
+for _op in (all_gather_into_slot_copy_engine, exchange_into_slot_copy_engine):  # each writes its out
+    inductor.lower_as_mutation(_op)
 
 
 @dataclass(frozen=True)
@@ -277,9 +238,22 @@ def apply_symm_mem(gm: fx.GraphModule, plan: SymmMemPlan) -> None:
         node.args = (*node.args, plan.workspace_bytes)
     for node in named(gm.graph, plan.into_slots):
         node.target = torch.ops.fsdp_compile.all_gather_into_slot_copy_engine.default
+        _wait_for_event(gm.graph, node)
     for node in named(gm.graph, plan.exchanges):
         node.target = torch.ops.fsdp_compile.exchange_into_slot_copy_engine.default
+        _wait_for_event(gm.graph, node)
     lint_and_recompile(gm)
+
+
+def _wait_for_event(graph: fx.Graph, collective: fx.Node) -> None:
+    """The wait of a collective into a slot (``wait_tensor(out)``, ``wait_exchange(out, gradient)``) becomes
+    ``wait_copy_engine(out, gradient or None)``; what read the wait's result reads ``out``."""
+    out = collective.kwargs["out"]
+    (wait,) = (user for user in out.users if user.target in (WAIT, WAIT_EXCHANGE))
+    with graph.inserting_before(wait):
+        graph.call_function(WAIT_COPY_ENGINE, (out, wait.args[1] if wait.target == WAIT_EXCHANGE else None))
+    wait.replace_all_uses_with(out)
+    graph.erase_node(wait)
 
 
 class LowerToSymmMem(GraphPass):

@@ -6,6 +6,7 @@ matmuls read the parameters as views of the slots)."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -29,15 +30,16 @@ A2A = "torch.ops._c10d_functional.all_to_all_single.default("
 EXCHANGE = "torch.ops.fsdp_compile.exchange_into_slot.default("
 
 
-def _code(backend: object, **compile_options: object) -> list[str]:
-    """Inductor's code for the forward and backward graphs of a tiny Llama (bf16 params, fp32 reduce);
-    ``compile_options`` go to ``torch.compile`` (``mode=``, ``options=``)."""
+def _code(backend: object, checkpoint: bool = False, **compile_options: object) -> list[str]:
+    """Inductor's code for the forward and backward graphs of a tiny Llama (bf16 params, fp32 reduce; each block
+    under activation checkpointing if ``checkpoint``); ``compile_options`` go to ``torch.compile`` (``mode=``,
+    ``options=``)."""
     torch._dynamo.reset()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         torch.manual_seed(0)
         model = fsdp_compile.shard(
-            Llama(LLAMA_TINY),
+            Llama(dataclasses.replace(LLAMA_TINY, checkpoint_blocks=checkpoint)),
             units=[Block],
             mp=fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
         )
@@ -99,6 +101,31 @@ def test_every_all_gather_writes_into_a_slot_and_the_matmuls_read_the_slots(code
         for buf in set(written):
             assert re.search(rf"extern_kernels\.mm\(.*reinterpret_tensor\({buf}, ", graph), buf
         assert not re.search(rf"del ({'|'.join(named)})  # reuse", graph)  # Inductor never reuses a slot
+
+
+def _uses_while_in_flight(code: str) -> list[str]:
+    """Lines that use a slot between an all-gather's write into it and the wait for that all-gather: reads of its
+    previous occupant (overwritten) or of the new one (not there yet)."""
+    found = []
+    for line, buf in _gathers(code):
+        if AG_OUT in line:
+            launch = code.index(line) + len(line)
+            wait = re.compile(rf"wait_tensor\.default\((reinterpret_tensor\()?{buf}\b").search(code, launch)
+            assert wait, line
+            uses = code[launch : wait.start()].splitlines()
+            found += [used.strip() for used in uses if re.search(rf"\b{buf}\b", used)]
+    return found
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
+def test_no_kernel_uses_a_slot_while_its_all_gather_is_in_flight(code: list[str], checkpoint: bool) -> None:
+    """The memory plan's order survives Inductor. Under activation checkpointing the backward recomputes each block
+    beside the next unit's prefetched all-gather; Inductor had moved the read of the final norm's weight (a
+    pointwise op, computed only when its consumer, a reduction after the recomputation, needed it) past the next
+    all-gather into that slot: the norms' gradients came out wrong (`_internals.inductor.lower_as_mutation`)."""
+    for graph in _code("fsdp_compile", checkpoint=True) if checkpoint else code:
+        assert _uses_while_in_flight(graph) == []
 
 
 @pytest.mark.slow

@@ -28,6 +28,8 @@ CE_INTO = torch.ops.fsdp_compile.all_gather_into_slot_copy_engine.default
 INTO_SLOT = torch.ops.fsdp_compile.all_gather_into_slot.default
 EXCHANGE_INTO = torch.ops.fsdp_compile.exchange_into_slot.default
 CE_EXCHANGE = torch.ops.fsdp_compile.exchange_into_slot_copy_engine.default
+WAIT_EXCHANGE = torch.ops.fsdp_compile.wait_exchange.default
+CE_WAIT = torch.ops.fsdp_compile.wait_copy_engine.default
 MP = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
@@ -71,14 +73,36 @@ def test_each_all_gather_into_a_slot_becomes_a_copy_engine_one_in_its_place(slot
     gm = copy.deepcopy(slotted[stage])
     into = [n.name for n in gm.graph.nodes if n.target == INTO_SLOT]
     assert len(into) == N_UNITS
-    before = [(n.name, n.args, n.kwargs) for n in gm.graph.nodes]
+    expected = _waits_on_events(gm, into)
     apply_symm_mem(gm, SymmMemPlan(gathers=(), workspace_bytes=0, into_slots=tuple(into)))
-    assert [(n.name, n.args, n.kwargs) for n in gm.graph.nodes] == before  # nothing moved
+    assert _targets_and_args(gm) == expected  # nothing else changed or moved
     assert [n.name for n in gm.graph.nodes if n.target == CE_INTO] == into
     for node in gm.graph.nodes:
         if node.target == CE_INTO:  # the shard, uncast (bf16 parameters: the op casts into its slot)
             assert node.args[0].op == "placeholder" and node.args[0].meta["val"].dtype == torch.float32
     assert slot_hazards(gm.graph) == []
+
+
+def _targets_and_args(gm: fx.GraphModule, rename: dict[str, str] | None = None) -> list[tuple]:
+    """Each node's target (the lowered collectives' left out: the tests check them) and its arguments by name."""
+    lowered = (CE_INTO, CE_EXCHANGE, INTO_SLOT, EXCHANGE_INTO)
+    return [(None if n.target in lowered else n.target,
+             fx.map_arg((n.args, n.kwargs), lambda a: (rename or {}).get(a.name, a.name))) for n in gm.graph.nodes]
+
+
+def _waits_on_events(gm: fx.GraphModule, lowered: list[str]) -> list[tuple]:
+    """What ``_targets_and_args`` should give once the ``lowered`` collectives into slots are on copy engines: each
+    one's wait (``wait_tensor(out)``, ``wait_exchange(out, gradient)``) replaced in its place by
+    ``wait_copy_engine(out, gradient or None)``, what read the wait reading ``out``."""
+    outs = {n.kwargs["out"].name for n in gm.graph.nodes if n.name in lowered}
+    waits = {n.name: n for n in gm.graph.nodes if n.target in (WAIT, WAIT_EXCHANGE) and n.args[0].name in outs}
+    assert len(waits) == len(lowered)
+    rename = {name: wait.args[0].name for name, wait in waits.items()}
+    return [
+        (CE_WAIT, ((n.args[0].name, n.args[1].name if n.target == WAIT_EXCHANGE else None), {}))
+        if n.name in waits else entry
+        for n, entry in zip(gm.graph.nodes, _targets_and_args(gm, rename))
+    ]
 
 
 def test_plan_refuses_all_gathers_off_cuda(scheduled: dict) -> None:
@@ -101,9 +125,9 @@ def test_each_exchange_into_a_slot_becomes_a_copy_engine_one_in_its_place(slotte
     gm = copy.deepcopy(slotted["backward"])
     exchanges = [n.name for n in gm.graph.nodes if n.target == EXCHANGE_INTO]
     assert len(exchanges) == N_UNITS  # bf16 gradients, fp32 sums: every unit exchanges
-    before = [(n.name, n.args, n.kwargs) for n in gm.graph.nodes]
+    expected = _waits_on_events(gm, exchanges)
     apply_symm_mem(gm, SymmMemPlan(gathers=(), workspace_bytes=0, exchanges=tuple(exchanges)))
-    assert [(n.name, n.args, n.kwargs) for n in gm.graph.nodes] == before  # nothing moved
+    assert _targets_and_args(gm) == expected  # nothing else changed or moved
     assert [n.name for n in gm.graph.nodes if n.target == CE_EXCHANGE] == exchanges
     assert not [n for n in gm.graph.nodes if n.target == CE_INTO]  # the all-gathers: not asked for
     assert slot_hazards(gm.graph) == []

@@ -13,6 +13,7 @@ Shims, each where it is used:
 * ``compile_fx`` tells its ``inner_compile`` which graph it compiles only through the ``is_backward``
   keyword, for the backward graph alone (the forward call omits it): :func:`is_backward_compile`.
 * Symmetric memory's shims: ``fsdp_compile._internals.symm_mem``.
+* How Inductor lowers the library's ops (persistent outputs, in-place writes): ``fsdp_compile._internals.inductor``.
 * Gloo process groups race in torch itself when two worker threads finish at once (heap corruption):
   :func:`gloo_one_worker_thread`, for the multi-rank harness on CPU.
 * ``destroy_process_group()`` hangs while a CUDA graph that captured NCCL kernels lives, and has no hook:
@@ -35,7 +36,7 @@ __all__ = [
     "aot_autograd", "c10d_functional", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_store", "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
-    "list_mode_options", "lower_with_persistent_output", "make_boxed_func", "outside_fake_mode", "outside_graph_pools",
+    "list_mode_options", "make_boxed_func", "outside_fake_mode", "outside_graph_pools",
     "placeholder_source",
     "min_cut_rematerialization_partition", "register_work", "run_observed",
     "set_optimizer_state_dict", "sharded_tensor", "step_op", "trace_log", "trace_structured",
@@ -252,20 +253,6 @@ def step_op(
         return getattr(getattr(torch.ops, namespace), name).default
 
     return define
-
-
-def lower_with_persistent_output(op: Any) -> None:
-    """Have Inductor run ``op`` as a fallback kernel whose output memory it never reuses for its own buffers
-    nor writes in place: the op hands out persistent memory (a memory-plan slot) that outlives the graph."""
-    lowering, graph = importlib.import_module("torch._inductor.lowering"), _need("torch._inductor.virtualized", "V")
-    fallback = lowering.fallback_handler(op)
-
-    def lower(*args: Any, **kwargs: Any) -> Any:
-        result = fallback(*args, **kwargs)
-        graph.graph.never_reuse_buffers.add(result.get_name())
-        return result
-
-    lowering.register_lowering(op, type_promotion_kind=None)(lower)
 
 
 def gloo_one_worker_thread() -> None:

@@ -1,0 +1,102 @@
+"""The copy-engine ops' streams and events, made once per device: making them at every call costs host time
+(``torch.cuda.Stream()``, the new event of ``Stream.wait_stream``, a c10d ``Work`` registered for the graph's
+``wait_tensor``: 5-70 µs each, ``benchmarks/ce_host_cost.py``), and a step without CUDA graphs pays it per
+collective.
+
+* :func:`on_side_stream`: symmetric memory's side stream made current, after the compute stream's work so far.
+* :func:`copy_at_once`: the peer copies, on streams forked from the side stream and joined back.
+* :func:`record_done` ends a copy-engine collective into a slot (on the side stream); the op
+  ``fsdp_compile::wait_copy_engine(out, keep)`` is the graph's wait for it: the compute stream waits for the event
+  recorded last for ``out``'s place. One event per place (device, address): a collective into a slot is issued
+  only after the wait of the slot's previous collective (the memory plan orders the slot's next write after the
+  last read of its previous occupant, which comes after that wait), so no event is recorded again before the
+  wait for its last record is enqueued. All of it is capturable by CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from fsdp_compile import _internals
+from fsdp_compile._internals import inductor, symm_mem
+
+__all__ = ["WAIT_COPY_ENGINE", "copy_at_once", "on_side_stream", "record_done", "wait_copy_engine"]
+
+_side: dict[int, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
+"""Per device: symmetric memory's backend stream, and the event that forks it from the compute stream."""
+_copy_streams: dict[int, tuple[torch.cuda.Event, list[tuple[torch.cuda.Stream, torch.cuda.Event]]]] = {}
+"""Per device: an event to fork from the side stream, the streams peer copies run on besides symmetric memory's
+own, each with an event to join back."""
+_done: dict[tuple[int, int], torch.cuda.Event] = {}
+"""Per place (device, address) of a collective's output: the event its last collective recorded."""
+
+
+@contextlib.contextmanager
+def on_side_stream() -> Iterator[None]:
+    """Symmetric memory's side stream made current, after the work the compute stream has so far; the compute
+    stream current again at the end."""
+    compute = torch.cuda.current_stream()
+    if compute.device.index not in _side:
+        _side[compute.device.index] = (symm_mem.backend_stream(), torch.cuda.Event())
+    side, fork = _side[compute.device.index]
+    fork.record(compute)
+    side.wait_event(fork)
+    torch.cuda.set_stream(side)
+    try:
+        yield
+    finally:
+        torch.cuda.set_stream(compute)
+
+
+def copy_at_once(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every (dst, src) pair, the first on the current (side) stream, each other on a stream
+    forked from it and joined back: over more than 2 ranks the copy engines move the peers' parts at once."""
+    for dst, src in pairs[:1]:  # on the side stream itself
+        dst.copy_(src)
+    if len(pairs) < 2:
+        return
+    side = torch.cuda.current_stream()
+    if side.device.index not in _copy_streams:
+        _copy_streams[side.device.index] = (torch.cuda.Event(), [])
+    fork, streams = _copy_streams[side.device.index]
+    while len(streams) < len(pairs) - 1:
+        streams.append((torch.cuda.Stream(side.device), torch.cuda.Event()))
+    others = list(zip(pairs[1:], streams))
+    fork.record(side)
+    for (dst, src), (stream, joined) in others:
+        stream.wait_event(fork)
+        torch.cuda.set_stream(stream)
+        dst.copy_(src)
+        joined.record(stream)
+    torch.cuda.set_stream(side)
+    for _, (_, joined) in others:
+        side.wait_event(joined)
+
+
+def record_done(out: torch.Tensor) -> None:
+    """Record, on the current (side) stream, that the collective into ``out`` is done (``wait_copy_engine``)."""
+    place = (out.device.index, out.data_ptr())
+    if place not in _done:
+        _done[place] = torch.cuda.Event()
+    _done[place].record()
+
+
+def _wait_fake(out: torch.Tensor, keep: torch.Tensor | None) -> None:
+    return None
+
+
+@_internals.step_op(
+    "fsdp_compile::wait_copy_engine", "(Tensor(a!) out, Tensor? keep) -> ()", _wait_fake, device_type="cuda"
+)
+def wait_copy_engine(out: torch.Tensor, keep: torch.Tensor | None) -> None:
+    """The graph's wait for the copy-engine collective into ``out``: the compute stream waits for it. ``out`` is
+    "mutated" so that every read of it comes after; ``keep`` (an exchange's gradient, which the side stream reads
+    until then) is an argument only so that the graph keeps it alive until here."""
+    torch.cuda.current_stream().wait_event(_done[(out.device.index, out.data_ptr())])
+
+
+WAIT_COPY_ENGINE = wait_copy_engine
+inductor.lower_as_mutation(WAIT_COPY_ENGINE)
