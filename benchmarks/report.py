@@ -57,6 +57,8 @@ class Result:
     peak_comparable: bool = True
     """False under CUDA graphs: ``max_memory_allocated`` does not count the graphs' memory pool."""
     reserved_gib: float | None = None
+    slab_mib: float | None = None
+    """The memory plan's slabs (``fsdp_compile.slab_bytes()``) after the measured steps: what the planner sized."""
     exposed_comm_ms: float | None = None
     comm_ms: float | None = None
     compute_ms: float | None = None
@@ -210,9 +212,9 @@ def table(results: list[Result]) -> Iterator[str]:
         yield (f"\n{point.tokens_per_gpu} tokens/GPU (batch {point.batch} x seq {point.seq}), {repeats} run(s); "
                f"{bounds or 'no bound in this run'}\n")
         yield (f"| system | step ms (range) | vs tight bound | vs loose bound | vs {ref_name} | fwd+bwd ms "
-               "| optimizer ms | exposed comm ms | compute slowdown | tokens/s/GPU | MFU | peak GiB | reserved GiB "
-               "| host ms | compile s |")
-        yield "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
+               "| optimizer ms | exposed comm ms | compute slowdown | tokens/s/GPU | MFU | peak GiB | slabs MiB "
+               "| reserved GiB | host ms | compile s |")
+        yield "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"
         for row in point.rows:
             bound = point.row(point.bound_for(row.system))
             tight, loose_ms = point.tight_bound_ms(bound.system) if bound else None, bound.step_ms if bound else None
@@ -229,10 +231,11 @@ def table(results: list[Result]) -> Iterator[str]:
                 f"{_ratio(row.step_ms, loose_ms)} | {_ratio(row.step_ms, ref)} | {_fmt(fwd_bwd, '.1f')} | "
                 f"{_fmt(row.median('opt_ms'), '.1f')} | {_fmt(exposed, '.1f')} | {_fmt(slowdown, '.2f')} | "
                 f"{row.median('tokens_per_s_per_gpu'):,.0f} | {mfu_text} | {peak} | "
-                f"{_fmt(row.median('reserved_gib'), '.2f')} | {_fmt(row.median('cpu_ms'), '.1f')} | "
+                f"{_fmt(row.median('slab_mib'), '.1f')} | {_fmt(row.median('reserved_gib'), '.2f')} | {_fmt(row.median('cpu_ms'), '.1f')} | "
                 f"{row.median('compile_s'):.1f} |"
             )
     yield ("\nstep ms: median over the runs of each run's median step (range: min-max over the runs). Tight bound: "
            "the headline; rows with CUDA graphs against the bound with CUDA graphs where the run has it. Compute "
-           "slowdown: (fwd+bwd - exposed comm) / the bound's fwd+bwd. peak GiB (n/c): not "
-           "comparable, CUDA graphs' pool not counted; reserved GiB counts it.")
+           "slowdown: (fwd+bwd - exposed comm) / the bound's fwd+bwd. peak GiB: the allocator's peak plus symmetric "
+           "slabs; (n/c): not comparable, CUDA graphs' pool not counted; reserved GiB counts it. slabs MiB: the "
+           "memory plan's (what the planner sized).")

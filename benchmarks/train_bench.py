@@ -37,18 +37,18 @@ interleaved (report.py aggregates: medians over the runs, and the range of the s
 time over the steps after --warmup; its ratio to the **tight bound** (the headline: the bound's local
 forward+backward plus an optimizer step over 1/world of the parameters, both timed in the bound's run),
 to the **loose bound** (``no_comm_bound``'s whole step, with the full optimizer a sharded system never runs)
-and to FSDP2 eager; forward+backward and optimizer times from --split-steps more steps synchronized between the
-two; tokens/s/GPU; MFU (6 x matmul params + 12 x layers x dim x seq FLOPs per token, over the card's dense bf16
-peak); peak memory (``torch.cuda.max_memory_allocated`` over the measured steps, less what the previous system
-left allocated: none, unless ``leftover_after_gib`` in the JSON says otherwise; marked not comparable under CUDA
-graphs, whose pool it leaves out; it also leaves out memory-plan slabs in symmetric memory, allocated by the
-driver, not the caching allocator, and a slab an earlier system of the same process reserved: slabs are kept per
-process group for the process, and a later system uses the slab when it is large enough) and
-``max_memory_reserved`` (which counts the CUDA graphs' pool); host time to enqueue a step (close to the step
-time: launch-bound); from a profiler trace of --profile-steps more steps (``trace_steps``: after a barrier and
-one untraced warm-up step): communication (time NCCL kernels or peer-to-peer copies run), exposed communication
-(of that, the time no other kernel runs), compute (other kernels and copies), GPU idle time, and the compute
-slowdown ((forward+backward - exposed communication) / the bound's forward+backward); compile time (first step
+and to FSDP2 eager; forward+backward and optimizer times from --split-steps more steps synchronized
+between the two; tokens/s/GPU; MFU (6 x matmul params + 12 x layers x dim x seq FLOPs per token, over the
+card's dense bf16 peak); peak memory (``torch.cuda.max_memory_allocated`` over the measured steps, less
+what the previous system left allocated: none, unless ``leftover_after_gib`` in the JSON says otherwise, plus
+the memory-plan slabs in symmetric memory, the driver's memory, which the caching allocator does not count;
+marked not comparable under CUDA graphs, whose pool it leaves out) and ``max_memory_reserved`` (which counts
+that pool); the memory plan's slabs (``fsdp_compile.slab_bytes()``: what the planner sized, made afresh for
+each system); host time to enqueue a step (close to the step time: launch-bound); from a profiler trace of
+--profile-steps more steps (``trace_steps``: after a barrier and one untraced warm-up step):
+communication (time NCCL kernels or peer-to-peer copies run), exposed communication (of that, the time no
+other kernel runs), compute (other kernels and copies), GPU idle time, and the compute slowdown
+((forward+backward - exposed communication) / the bound's forward+backward); compile time (first step
 minus the median). ``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them).
 ``--stall-dump-s S`` prints every thread's Python stack to stderr when one system's run takes longer than S
 seconds (a hang shows where each rank waits; the run goes on).
@@ -335,8 +335,10 @@ def _flops_per_token(cfg: LlamaConfig, seq: int) -> float:
 
 
 def _release(device: torch.device) -> int:
-    """Drop compiled code and garbage from the previous system; the bytes still allocated after that."""
+    """Drop compiled code, memory-plan slabs and garbage from the previous system (each system reserves slabs of
+    its own, and its peak counts them); the bytes still allocated after that."""
     torch._dynamo.reset()
+    fsdp_compile.release_slabs()
     gc.collect()
     if device.type != "cuda":
         return 0
@@ -428,8 +430,10 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, repeat: int, args: ar
             global_loss = loss.float()
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
             result.losses.append(global_loss.item())
+        result.slab_mib = fsdp_compile.slab_bytes() / 2**20
         if device.type == "cuda":
-            result.peak_gib = (torch.cuda.max_memory_allocated(device) - resident) / 2**30
+            symmetric = fsdp_compile.slab_bytes(symmetric=True)  # the driver's memory: not in the allocator's peak
+            result.peak_gib = (torch.cuda.max_memory_allocated(device) - resident + symmetric) / 2**30
             result.reserved_gib = torch.cuda.max_memory_reserved(device) / 2**30
         for i in range(args.split_steps):  # forward+backward and the optimizer timed apart
             _sync(device)

@@ -16,7 +16,7 @@ from fsdp_compile._state_dict import (
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
-from fsdp_compile._slots import slab_bytes
+from fsdp_compile._slots import release_slabs, slab_bytes
 from fsdp_compile._unit import sharded_units
 from fsdp_compile.config import BackendConfig, MixedPrecision
 from fsdp_compile._dump import from_environment as _dump_from_environment
@@ -36,6 +36,7 @@ __all__ = [
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "load_sharded_optimizer_state_dict",
+    "release_slabs",
     "set_requires_gradient_sync",
     "shard",
     "sharded_optimizer_state_dict",

@@ -106,9 +106,13 @@ def reserve_slab(group_name: str, device: torch.device, nbytes: int, symmetric: 
 
 
 def release_slabs() -> None:
-    """Free every slab. ``destroy_process_group()`` calls it first: a symmetric slab's handle dies with its
-    group, and groups made later reuse the names. A graph compiled before that reserves its slab again at its
-    next run (a collective: every rank runs the same graphs)."""
+    """Free the memory plan's slabs, and first Inductor's CUDA graphs (they captured the slabs' addresses): for a
+    process done with a compiled model, e.g. before it compiles another. A graph compiled before that reserves
+    its slab again at its next run (a collective: call this on every rank, as every rank runs the same graphs).
+    ``destroy_process_group()`` calls it first: a symmetric slab's handle dies with its group, and groups made
+    later reuse the names."""
+    if _slabs or _retired:
+        lifetime.release_cuda_graphs()
     _slabs.clear()
     _retired.clear()
 
@@ -117,9 +121,12 @@ def slab_of(group_name: str, device: torch.device) -> Slab:
     return _slabs[(group_name, str(device))]
 
 
-def slab_bytes() -> int:
-    """Bytes this process holds in memory-plan slabs (those replaced by larger ones included)."""
-    return sum(slab.memory.numel() for slab in (*_slabs.values(), *_retired))
+def slab_bytes(*, symmetric: bool | None = None) -> int:
+    """Bytes this process holds in memory-plan slabs (those replaced by larger ones included). ``symmetric=True``:
+    only those in symmetric memory (the copy-engine routes'; the driver's memory, which
+    ``torch.cuda.memory_allocated`` does not count); ``False``: only the others (the caching allocator's)."""
+    return sum(slab.memory.numel() for slab in (*_slabs.values(), *_retired)
+               if symmetric is None or (slab.handle is not None) == symmetric)
 
 
 def _slot_fake(

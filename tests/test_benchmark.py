@@ -64,6 +64,11 @@ def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]
     assert len(names) == 1 and "layers.0.attention.wq.weight" in next(iter(names))
     # Each system is gone before the next one is measured (its memory would count in the next peak).
     assert all(r["extra"]["model_freed"] for r in data["results"]), [r["system"] for r in data["results"]]
+    # Each planned system reports slabs of its own (made afresh: the previous system's are released).
+    slabs = {r["system"]: r["slab_mib"] for r in data["results"]}
+    assert all(slabs[s] > 0 for s in systems if s.startswith("fsdp_compile") and s != "fsdp_compile_unplanned"), slabs
+    assert slabs["fsdp_compile_unplanned"] == slabs["fsdp2_eager"] == 0, slabs
+    assert "| peak GiB | slabs MiB | reserved GiB |" in proc.stdout
 
     subprocess.run([sys.executable, "benchmarks/plot.py", out, "--out", str(tmp_path)], cwd=ROOT, check=True)
     assert os.path.exists(os.path.join(tmp_path, "step_time.png")) and os.path.exists(os.path.join(tmp_path, "memory.png"))

@@ -318,6 +318,31 @@ def test_write_into_slots_when_the_graph_starts_with_a_cast_it_removes() -> None
     assert slot_hazards(gm.graph) == []
 
 
+def _release_and_step_again(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    model = Llama(LLAMA_TINY)
+    fsdp_compile.shard(model, units=[Block])
+    compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
+    losses = []
+    for _ in range(2):
+        losses.append(compiled(tokens, tokens).detach())
+        held = fsdp_compile.slab_bytes()
+        assert held > 0 and fsdp_compile.slab_bytes(symmetric=False) == held  # CPU: plain memory
+        assert fsdp_compile.slab_bytes(symmetric=True) == 0
+        fsdp_compile.release_slabs()
+        assert fsdp_compile.slab_bytes() == 0
+    torch.testing.assert_close(losses[1], losses[0], rtol=0, atol=0)
+
+
+def test_release_slabs_frees_them_and_a_later_step_reserves_them_again() -> None:
+    """``fsdp_compile.release_slabs()`` (a process done with a model): the slabs are freed, and a compiled graph
+    that runs again reserves its slab again and computes what it did (2 gloo ranks)."""
+    from fsdp_compile.testing.dist import spawn_ranks
+
+    spawn_ranks(_release_and_step_again, 2)
+
+
 def test_destroy_process_group_frees_the_slabs() -> None:
     """``destroy_process_group()`` frees the slabs first (a symmetric slab's handle dies with its group, and
     groups made later reuse the names); a model compiled in the next group gets slabs of its own."""
