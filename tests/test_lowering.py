@@ -228,9 +228,10 @@ def test_a_workspace_grown_mid_step_is_counted() -> None:
     spawn_ranks(_workspace_grown_mid_step, 2, backend="nccl")
 
 
-def _copy_engines_in_a_group_made_again(rank: int, world_size: int) -> None:
-    """One compiled step on copy engines, the process group destroyed and made again (same name), the same step
-    again: the slabs are made afresh (``release_slabs``) and must rendezvous with the new group."""
+def _copy_engines_in_a_group_made_again(rank: int, world_size: int, how: str) -> None:
+    """One compiled step on copy engines, then the process group destroyed and made again (same name), or only
+    ``fsdp_compile.release_slabs()``, then the same step again: the slabs are made afresh and must rendezvous
+    (with the new group)."""
     import torch.distributed as dist
 
     from fsdp_compile import _internals
@@ -240,7 +241,9 @@ def _copy_engines_in_a_group_made_again(rank: int, world_size: int) -> None:
     store = _internals.group_store(dist.group.WORLD)
     results = []
     for attempt in range(2):
-        if attempt:
+        if attempt and how == "release":
+            fsdp_compile.release_slabs()
+        elif attempt:
             dist.destroy_process_group()
             dist.init_process_group("nccl", store=dist.PrefixStore("again", store), rank=rank, world_size=world_size)
         torch._dynamo.reset()
@@ -258,10 +261,11 @@ def _copy_engines_in_a_group_made_again(rank: int, world_size: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
-def test_copy_engines_after_the_process_group_is_made_again() -> None:
+@pytest.mark.parametrize("how", ["destroy", "release"])
+def test_copy_engines_after_the_process_group_is_made_again_or_the_slabs_released(how: str) -> None:
     from fsdp_compile.testing.dist import spawn_ranks
 
-    spawn_ranks(_copy_engines_in_a_group_made_again, 2, backend="nccl")
+    spawn_ranks(_copy_engines_in_a_group_made_again, 2, how, backend="nccl")
 
 
 def test_cuda_graph_compiles_keep_inductors_caches() -> None:
