@@ -231,8 +231,8 @@ def table(results: list[Result]) -> Iterator[str]:
                 f"{_ratio(row.step_ms, loose_ms)} | {_ratio(row.step_ms, ref)} | {_fmt(fwd_bwd, '.1f')} | "
                 f"{_fmt(row.median('opt_ms'), '.1f')} | {_fmt(exposed, '.1f')} | {_fmt(slowdown, '.2f')} | "
                 f"{row.median('tokens_per_s_per_gpu'):,.0f} | {mfu_text} | {peak} | "
-                f"{_fmt(row.median('slab_mib'), '.1f')} | {_fmt(row.median('reserved_gib'), '.2f')} | {_fmt(row.median('cpu_ms'), '.1f')} | "
-                f"{row.median('compile_s'):.1f} |"
+                f"{_fmt(row.median('slab_mib'), '.1f')} | {_fmt(row.median('reserved_gib'), '.2f')} | "
+                f"{_fmt(row.median('cpu_ms'), '.1f')} | {row.median('compile_s'):.1f} |"
             )
     yield ("\nstep ms: median over the runs of each run's median step (range: min-max over the runs). Tight bound: "
            "the headline; rows with CUDA graphs against the bound with CUDA graphs where the run has it. Compute "
