@@ -57,7 +57,7 @@ def main() -> None:
     group = dist.group.WORLD.group_name
     device = torch.device("cuda", torch.cuda.current_device())
     numel = PART_NUMEL * world
-    slab = _slots.reserve_slab(group, device, 2 * numel * 2, symmetric=True)
+    slab = _slots.reserve_slab(group, device, 2 * numel * 2, symmetric=True, keep_old=False)
     out = slab.memory[: numel * 2].view(torch.bfloat16)
     shard = torch.randn(PART_NUMEL, device=device, dtype=torch.bfloat16)
     gradient = torch.randn(numel, device=device, dtype=torch.bfloat16)

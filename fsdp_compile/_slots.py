@@ -75,7 +75,7 @@ _retired: list[Slab] = []
 """Slabs a larger one replaced: CUDA graphs captured before still read and write their memory."""
 
 
-def reserve_slab(group_name: str, device: torch.device, nbytes: int, symmetric: bool, keep_old: bool = True) -> Slab:
+def reserve_slab(group_name: str, device: torch.device, nbytes: int, symmetric: bool, keep_old: bool) -> Slab:
     """The group's slab on ``device``, at least ``nbytes`` and symmetric if asked (a collective then: every rank
     reserves in the same order, as every rank compiles and runs the same graphs). The backend reserves when it
     compiles; a graph loaded from a cache reserves at its first run. A slab that grows keeps its old memory
@@ -101,18 +101,23 @@ def reserve_slab(group_name: str, device: torch.device, nbytes: int, symmetric: 
 
     memory, handle = _internals.outside_graph_pools(device, allocate)
     _slabs[key] = slab = Slab(memory, handle)
-    lifetime.before_destroy("slabs", release_slabs)
+    lifetime.before_destroy("slabs", _drop_slabs)
     return slab
 
 
 def release_slabs() -> None:
     """Free the memory plan's slabs, and first Inductor's CUDA graphs (they captured the slabs' addresses): for a
     process done with a compiled model, e.g. before it compiles another. A graph compiled before that reserves
-    its slab again at its next run (a collective: call this on every rank, as every rank runs the same graphs).
-    ``destroy_process_group()`` calls it first: a symmetric slab's handle dies with its group, and groups made
-    later reuse the names."""
+    its slab again at its next run (a collective: call this on every rank, as every rank runs the same graphs)."""
     if _slabs or _retired:
         lifetime.release_cuda_graphs()
+    _drop_slabs()
+
+
+def _drop_slabs() -> None:
+    """Forget every slab (freed once no tensor holds it). ``destroy_process_group()`` calls it first: a symmetric
+    slab's handle dies with its group, and groups made later reuse the names. CUDA graphs that captured a slab
+    exist only with the backend's ``cudagraphs``, whose own hook, registered before any slab, frees them first."""
     _slabs.clear()
     _retired.clear()
 
@@ -130,25 +135,28 @@ def slab_bytes(*, symmetric: bool | None = None) -> int:
 
 
 def _slot_fake(
-    group_name: str, device: torch.device, offset: int, numel: int, dtype: torch.dtype, slab_bytes: int, symmetric: bool
+    group_name: str, device: torch.device, offset: int, numel: int, dtype: torch.dtype, slab_bytes: int,
+    symmetric: bool, keep_old: bool,
 ) -> torch.Tensor:
     return torch.empty(numel, dtype=dtype, device=device)
 
 
 @_internals.step_op(
     "fsdp_compile::slot",
-    "(str group_name, Device device, SymInt offset, SymInt numel, ScalarType dtype, SymInt slab_bytes, bool symmetric)"
-    " -> Tensor",
+    "(str group_name, Device device, SymInt offset, SymInt numel, ScalarType dtype, SymInt slab_bytes, bool symmetric,"
+    " bool keep_old) -> Tensor",
     _slot_fake,
 )
 def slot(
-    group_name: str, device: torch.device, offset: int, numel: int, dtype: torch.dtype, slab_bytes: int, symmetric: bool
+    group_name: str, device: torch.device, offset: int, numel: int, dtype: torch.dtype, slab_bytes: int,
+    symmetric: bool, keep_old: bool,
 ) -> torch.Tensor:
     """The slot of ``numel`` elements of ``dtype`` at byte ``offset`` of the group's slab (of ``slab_bytes`` at
-    least): the same memory at every call. Inductor never reuses it for its own buffers
-    (``_internals.inductor.lower_with_persistent_output``); the collectives that write it are ordered after the previous
-    occupant's readers by the graph ([Note: memory plan])."""
-    slab = reserve_slab(group_name, device, slab_bytes, symmetric)
+    least; a slab that grows keeps its old memory only if ``keep_old``: CUDA graphs): the same memory at every
+    call. Inductor never reuses it for its own buffers (``_internals.inductor.lower_with_persistent_output``); the
+    collectives that write it are ordered after the previous occupant's readers by the graph ([Note: memory
+    plan])."""
+    slab = reserve_slab(group_name, device, slab_bytes, symmetric, keep_old)
     key = (offset, numel, dtype)
     if key not in slab.slots:
         slab.slots[key] = torch.from_dlpack(slab.memory[offset : offset + numel * dtype.itemsize].view(dtype))
@@ -237,7 +245,7 @@ def write_into_slots(gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: b
         value = collectives[0].meta["val"]
         symmetric_here = symmetric and value.device.type == "cuda"
         args = (use.group, value.device, use.offset, use.nbytes // value.element_size(), value.dtype,
-                use.slab_bytes, symmetric_here)
+                use.slab_bytes, symmetric_here, keep_old)
         with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):  # a cast may be gone
             slot_node = graph.call_function(SLOT, args)
         slot_node.meta["val"] = value.new_empty(args[3])
