@@ -32,8 +32,8 @@ on the side stream, after the compute stream, a barrier (every rank has reached 
 peer's slot is free of its previous occupant), ``w - 1`` memcpys of each peer's part of this rank's gradient
 into this rank's part of the same slot in that peer's slab (pushes: the gradient stays where Inductor put
 it), a copy of this rank's own part, a barrier (every push into this rank's slot is done), an event; the
-graph's ``wait_copy_engine`` joins the side stream back and keeps the gradient alive until then. An exchange the plan
-left without a slot (a symbolic size) stays on NCCL, said once.
+graph's ``wait_copy_engine`` joins the side stream back and keeps the gradient alive until then. An exchange
+the plan left without a slot (a symbolic size) stays on NCCL, said once.
 An all-gather into its own buffer (``all_gather_copy_engine``) also copies its part into this rank's slice of
 the group's symmetric workspace first (``get_symm_mem_workspace``), and the peers read it from there. The
 workspace is allocated when the backend compiles (``reserve_workspace``), sized to the largest shard, so it
@@ -139,7 +139,7 @@ def all_gather_copy_engine(
         workspace.get_buffer(workspace.rank, shard.shape, shard.dtype).copy_(parts[workspace.rank])
         workspace.barrier()
         copy_at_once([(part, workspace.get_buffer(rank, shard.shape, shard.dtype))
-                       for rank, part in enumerate(parts) if rank != workspace.rank])
+                      for rank, part in enumerate(parts) if rank != workspace.rank])
         workspace.barrier()
         symm_mem.register_work(output)  # its event: recorded on `side`
     return output
