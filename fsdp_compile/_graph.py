@@ -17,7 +17,7 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile import _internals, debug
-from fsdp_compile._internals import inductor
+from fsdp_compile._internals import step_ops
 
 __all__ = [
     "ALL_GATHER",
@@ -148,4 +148,4 @@ class GraphPass(_internals.CustomGraphPass):  # type: ignore[misc, valid-type]
         return _internals.hash_sources(self.sources(), self.options())
 
     def sources(self) -> Sequence[str]:
-        return (inspect.getfile(type(self)), __file__, _internals.__file__, inductor.__file__)
+        return (inspect.getfile(type(self)), __file__, _internals.__file__, step_ops.__file__)

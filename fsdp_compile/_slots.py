@@ -24,7 +24,7 @@ import torch.fx as fx
 
 from fsdp_compile import _internals
 from fsdp_compile._graph import ALL_GATHER, CASTS, EXCHANGE, lint_and_recompile
-from fsdp_compile._internals import inductor, lifetime, symm_mem
+from fsdp_compile._internals import lifetime, step_ops, symm_mem
 from fsdp_compile._liveness import last_read
 
 __all__ = [
@@ -141,7 +141,7 @@ def _slot_fake(
     return torch.empty(numel, dtype=dtype, device=device)
 
 
-@_internals.step_op(
+@step_ops.step_op(
     "fsdp_compile::slot",
     "(str group_name, Device device, SymInt offset, SymInt numel, ScalarType dtype, SymInt slab_bytes, bool symmetric,"
     " bool keep_old) -> Tensor",
@@ -153,7 +153,7 @@ def slot(
 ) -> torch.Tensor:
     """The slot of ``numel`` elements of ``dtype`` at byte ``offset`` of the group's slab (of ``slab_bytes`` at
     least; a slab that grows keeps its old memory only if ``keep_old``: CUDA graphs): the same memory at every
-    call. Inductor never reuses it for its own buffers (``_internals.inductor.lower_with_persistent_output``); the
+    call. Inductor never reuses it for its own buffers (``step_ops.lower_with_persistent_output``); the
     collectives that write it are ordered after the previous occupant's readers by the graph ([Note: memory
     plan])."""
     slab = reserve_slab(group_name, device, slab_bytes, symmetric, keep_old)
@@ -164,7 +164,7 @@ def slot(
 
 
 SLOT = slot
-inductor.lower_with_persistent_output(SLOT)
+step_ops.lower_with_persistent_output(SLOT)
 
 INTO_SLOT_SCHEMA = "(Tensor input, SymInt group_size, str group_name, Tensor(a!) out) -> ()"
 """A collective into a slot (an all-gather, an exchange, and their routes): ``out`` is written in place."""
@@ -174,7 +174,7 @@ def into_slot_fake(input: torch.Tensor, group_size: int, group_name: str, out: t
     return None
 
 
-@_internals.step_op("fsdp_compile::all_gather_into_slot", INTO_SLOT_SCHEMA, into_slot_fake)
+@step_ops.step_op("fsdp_compile::all_gather_into_slot", INTO_SLOT_SCHEMA, into_slot_fake)
 def all_gather_into_slot(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
     """All-gather ``shard`` (cast to ``out``'s dtype) into ``out``, a slot: the cast writes this rank's part in
     place, then an in-place all-gather (its input is that part: it lives in the slot, so no buffer the
@@ -188,7 +188,7 @@ def all_gather_into_slot(shard: torch.Tensor, group_size: int, group_name: str, 
 INTO_SLOT = all_gather_into_slot
 
 
-@_internals.step_op("fsdp_compile::exchange_into_slot", INTO_SLOT_SCHEMA, into_slot_fake)
+@step_ops.step_op("fsdp_compile::exchange_into_slot", INTO_SLOT_SCHEMA, into_slot_fake)
 def exchange_into_slot(gradient: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
     """The gradient exchange (``all_to_all_single`` with equal splits) of ``gradient`` into ``out``, a slot:
     part ``i`` of ``out`` is rank ``i``'s part for this rank. Wait with ``wait_exchange(out, gradient)``, which
@@ -201,7 +201,7 @@ def _wait_exchange_fake(out: torch.Tensor, gradient: torch.Tensor) -> None:
     return None
 
 
-@_internals.step_op("fsdp_compile::wait_exchange", "(Tensor(a!) out, Tensor gradient) -> ()", _wait_exchange_fake)
+@step_ops.step_op("fsdp_compile::wait_exchange", "(Tensor(a!) out, Tensor gradient) -> ()", _wait_exchange_fake)
 def wait_exchange(out: torch.Tensor, gradient: torch.Tensor) -> None:
     """``wait_tensor(out)`` for an exchange into a slot. ``gradient`` is an argument only so that the compiled
     graph keeps it until here (Inductor frees or reuses a buffer after its last reader, not knowing that a
@@ -211,8 +211,6 @@ def wait_exchange(out: torch.Tensor, gradient: torch.Tensor) -> None:
 
 EXCHANGE_INTO_SLOT = exchange_into_slot
 WAIT_EXCHANGE = wait_exchange
-for _op in (INTO_SLOT, EXCHANGE_INTO_SLOT, WAIT_EXCHANGE):  # each writes (or "mutates") its out
-    inductor.lower_as_mutation(_op)
 
 
 @dataclass(frozen=True)

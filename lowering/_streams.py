@@ -20,8 +20,7 @@ from collections.abc import Iterator
 
 import torch
 
-from fsdp_compile import _internals
-from fsdp_compile._internals import inductor, symm_mem
+from fsdp_compile._internals import step_ops, symm_mem
 
 __all__ = ["WAIT_COPY_ENGINE", "copy_at_once", "on_side_stream", "record_done", "wait_copy_engine"]
 
@@ -88,7 +87,7 @@ def _wait_fake(out: torch.Tensor, keep: torch.Tensor | None) -> None:
     return None
 
 
-@_internals.step_op(
+@step_ops.step_op(
     "fsdp_compile::wait_copy_engine", "(Tensor(a!) out, Tensor? keep) -> ()", _wait_fake, device_type="cuda"
 )
 def wait_copy_engine(out: torch.Tensor, keep: torch.Tensor | None) -> None:
@@ -99,4 +98,3 @@ def wait_copy_engine(out: torch.Tensor, keep: torch.Tensor | None) -> None:
 
 
 WAIT_COPY_ENGINE = wait_copy_engine
-inductor.lower_as_mutation(WAIT_COPY_ENGINE)

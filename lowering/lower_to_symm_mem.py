@@ -55,7 +55,7 @@ import torch
 import torch.fx as fx
 
 from fsdp_compile import _internals
-from fsdp_compile._internals import inductor, symm_mem
+from fsdp_compile._internals import step_ops, symm_mem
 from fsdp_compile._graph import ALL_GATHER, EXCHANGE, WAIT, GraphPass, lint_and_recompile, named, plan_json
 from fsdp_compile._slots import (
     EXCHANGE_INTO_SLOT,
@@ -114,7 +114,7 @@ def _gathered_fake(shard: torch.Tensor, group_size: int, group_name: str, worksp
     return shard.new_empty((shard.shape[0] * group_size, *shard.shape[1:]))
 
 
-@_internals.step_op(
+@step_ops.step_op(
     "fsdp_compile::all_gather_copy_engine",
     "(Tensor shard, SymInt group_size, str group_name, SymInt workspace_bytes) -> Tensor",
     _gathered_fake,
@@ -145,7 +145,7 @@ def all_gather_copy_engine(
     return output
 
 
-@_internals.step_op(
+@step_ops.step_op(
     "fsdp_compile::all_gather_into_slot_copy_engine", INTO_SLOT_SCHEMA, into_slot_fake, device_type="cuda"
 )
 def all_gather_into_slot_copy_engine(shard: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
@@ -161,7 +161,7 @@ def all_gather_into_slot_copy_engine(shard: torch.Tensor, group_size: int, group
         record_done(out)
 
 
-@_internals.step_op(
+@step_ops.step_op(
     "fsdp_compile::exchange_into_slot_copy_engine", INTO_SLOT_SCHEMA, into_slot_fake, device_type="cuda"
 )
 def exchange_into_slot_copy_engine(gradient: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
@@ -177,9 +177,6 @@ def exchange_into_slot_copy_engine(gradient: torch.Tensor, group_size: int, grou
         slab.handle.barrier()
         record_done(out)
 
-
-for _op in (all_gather_into_slot_copy_engine, exchange_into_slot_copy_engine):  # each writes its out
-    inductor.lower_as_mutation(_op)
 
 
 @dataclass(frozen=True)

@@ -123,7 +123,8 @@ def test_no_kernel_uses_a_slot_while_its_all_gather_is_in_flight(code: list[str]
     """The memory plan's order survives Inductor. Under activation checkpointing the backward recomputes each block
     beside the next unit's prefetched all-gather; Inductor had moved the read of the final norm's weight (a
     pointwise op, computed only when its consumer, a reduction after the recomputation, needed it) past the next
-    all-gather into that slot: the norms' gradients came out wrong (`_internals.inductor.lower_as_mutation`)."""
+    all-gather into that slot: the norms' gradients came out wrong (now `_internals.step_ops.step_op` lowers every
+    op that writes an argument after the reads of its old value)."""
     for graph in _code("fsdp_compile", checkpoint=True) if checkpoint else code:
         assert _uses_while_in_flight(graph) == []
 

@@ -13,7 +13,8 @@ Shims, each where it is used:
 * ``compile_fx`` tells its ``inner_compile`` which graph it compiles only through the ``is_backward``
   keyword, for the backward graph alone (the forward call omits it): :func:`is_backward_compile`.
 * Symmetric memory's shims: ``fsdp_compile._internals.symm_mem``.
-* How Inductor lowers the library's ops (persistent outputs, in-place writes): ``fsdp_compile._internals.inductor``.
+* The library's step ops, defined with the dispatcher, and how Inductor lowers them:
+  ``fsdp_compile._internals.step_ops``.
 * Gloo process groups race in torch itself when two worker threads finish at once (heap corruption):
   :func:`gloo_one_worker_thread`, for the multi-rank harness on CPU.
 * ``destroy_process_group()`` hangs while a CUDA graph that captured NCCL kernels lives, and has no hook:
@@ -39,7 +40,7 @@ __all__ = [
     "list_mode_options", "make_boxed_func", "outside_fake_mode", "outside_graph_pools",
     "placeholder_source",
     "min_cut_rematerialization_partition", "register_work", "run_observed",
-    "set_optimizer_state_dict", "sharded_tensor", "step_op", "trace_log", "trace_structured",
+    "set_optimizer_state_dict", "sharded_tensor", "trace_log", "trace_structured",
 ]
 
 
@@ -227,32 +228,6 @@ def is_backward_compile(kwargs: Mapping[str, Any]) -> bool:
     """Whether ``compile_fx`` called its ``inner_compile`` for the backward graph (``is_backward=True``; the
     forward call passes no such keyword, on 2.11 and 2.13)."""
     return bool(kwargs.get("is_backward", False))
-
-
-_libraries: dict[str, Any] = {}
-
-
-def step_op(
-    qualname: str, schema: str, fake: Callable[..., Any], device_type: str | None = None
-) -> Callable[[Callable[..., Any]], Any]:
-    """Decorator: the function becomes the op ``qualname`` (``"ns::name"``) with ``schema`` (its arguments and
-    result, e.g. ``"(Tensor x, *, Tensor(a!) out) -> ()"``), for every device or ``device_type`` only, with
-    ``fake`` computing its output's shape under FakeTensorMode; returns the op (``OpOverload``). For ops that
-    compiled graphs call at every step: the function is registered straight with the dispatcher, without
-    ``torch.library.custom_op``'s autograd and version-counter kernels, which double the host time of a call.
-    The ops run inside compiled graphs only, on tensors that need no gradient."""
-
-    def define(impl: Callable[..., Any]) -> Any:
-        namespace, name = qualname.split("::")
-        if namespace not in _libraries:
-            _libraries[namespace] = torch.library.Library(namespace, "FRAGMENT")
-        library = _libraries[namespace]
-        library.define(name + schema)
-        library.impl(name, impl, "CompositeExplicitAutograd" if device_type is None else device_type.upper())
-        torch.library.register_fake(qualname, fake, lib=library)
-        return getattr(getattr(torch.ops, namespace), name).default
-
-    return define
 
 
 def gloo_one_worker_thread() -> None:
