@@ -59,6 +59,7 @@ def main() -> None:
     numel = PART_NUMEL * world
     slab = _slots.reserve_slab(group, device, 2 * numel * 2, symmetric=True, keep_old=False)
     out = slab.memory[: numel * 2].view(torch.bfloat16)
+    received = out[: numel - PART_NUMEL]  # an exchange's slot receives the peers' parts
     shard = torch.randn(PART_NUMEL, device=device, dtype=torch.bfloat16)
     gradient = torch.randn(numel, device=device, dtype=torch.bfloat16)
     ops, c10d = torch.ops.fsdp_compile, torch.ops._c10d_functional
@@ -70,8 +71,8 @@ def main() -> None:
         ops.wait_copy_engine(out, None)
 
     def exchange() -> None:
-        ops.exchange_into_slot_copy_engine(gradient, world, group, out)
-        ops.wait_copy_engine(out, gradient)
+        ops.exchange_into_slot_copy_engine(gradient, world, group, received)
+        ops.wait_copy_engine(received, gradient)
 
     def nccl() -> None:
         c10d.wait_tensor(c10d.all_gather_into_tensor(shard, world, group))

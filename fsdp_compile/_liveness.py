@@ -42,7 +42,8 @@ class Buffer:
     when another graph (or another run of the same one) may use the slots, so it never takes a slot."""
     in_slab: bool = True
     """Whether applying the plan puts the buffer in its slot: all-gather outputs and gradient exchanges (the
-    all-to-all's output); a reduce-scatter's input is planned but stays where Inductor puts it."""
+    peers' parts of the all-to-all's output); a reduce-scatter's input is planned but stays where Inductor
+    puts it."""
 
     @property
     def klass(self) -> tuple[str, str, str]:
@@ -114,13 +115,15 @@ def _graph_buffers(graph: fx.Graph, stage: str, offset: int) -> tuple[tuple[Buff
             wait = wait_of(node)
             start = index[source] if source.op != "placeholder" else offset
             last = index[wait] if wait is not None else end
-            if node.target == EXCHANGE:  # its output, as big, takes the slot: from the issue to its last read
-                # (no peer writes into it before this rank issues the exchange: NCCL, or the copy engines'
-                # barrier, wait for every rank to reach it)
+            size = nbytes(source)
+            if node.target == EXCHANGE:  # the peers' parts of its output take the slot (this rank's own part is
+                # read from the gradient): from the issue to their last read (no peer writes into the slot before
+                # this rank issues the exchange: NCCL, or the copy engines' barrier, wait for every rank to reach it)
                 start, last = index[node], max(last, last_read(node, index, end))
+                size -= size // len(node.args[1])
             buffers.append(
                 Buffer(f"{stage}/{node.name}", str(node.args[-1]), str(source.meta["val"].dtype), "gradient",
-                       nbytes(source), start, last, in_slab=node.target == EXCHANGE)
+                       size, start, last, in_slab=node.target == EXCHANGE)
             )
     return tuple(buffers), tuple(saved)
 

@@ -1,8 +1,8 @@
-"""The memory plan's slots in a graph and at run time: one allocation (a slab) per process group and device
-holds the group's slots, the op ``fsdp_compile::slot`` hands a compiled graph one slot of it, and each
-all-gather and gradient exchange writes into its slot (``fsdp_compile::all_gather_into_slot``,
-``fsdp_compile::exchange_into_slot``) instead of a buffer of its own ([Note: memory plan] in
-docs/architecture.md).
+"""The memory plan's slots at run time: one allocation (a slab) per process group and device holds the group's
+slots, the op ``fsdp_compile::slot`` hands a compiled graph one slot of it, and each all-gather and gradient
+exchange writes into its slot (``fsdp_compile::all_gather_into_slot``, ``fsdp_compile::exchange_into_slot``)
+instead of a buffer of its own ([Note: memory plan] in docs/architecture.md; how a graph gets them:
+``fsdp_compile._write_slots``).
 
 A slab is plain memory, or symmetric memory (``torch.distributed._symmetric_memory``, rendezvoused once) for
 the copy-engine routes, which read (all-gather) or write (exchange) the peers' slots. Every graph lays its
@@ -20,17 +20,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.fx as fx
 
 from fsdp_compile import _internals
-from fsdp_compile._graph import ALL_GATHER, CASTS, EXCHANGE, lint_and_recompile
 from fsdp_compile._internals import lifetime, step_ops, symm_mem
-from fsdp_compile._liveness import last_read
 
 __all__ = [
-    "EXCHANGE_INTO_SLOT", "INTO_SLOT", "SLOT", "Slab", "SlotUse", "WAIT_EXCHANGE", "all_gather_into_slot",
-    "exchange_into_slot", "release_slabs", "reserve_slab", "slab_bytes", "slab_of", "slot", "slot_hazards",
-    "wait_exchange", "write_into_slots",
+    "EXCHANGE_INTO_SLOT", "INTO_SLOT", "SLOT", "Slab", "WAIT_EXCHANGE", "all_gather_into_slot",
+    "exchange_into_slot", "release_slabs", "reserve_slab", "slab_bytes", "slab_of", "slot", "wait_exchange",
 ]
 
 log = logging.getLogger(__name__)
@@ -51,22 +47,29 @@ class Slab:
         part of it, the same part in the peer's slab) for every peer: the parts to pull."""
         return self._made_once("pull", gathered, group_size)  # type: ignore[no-any-return]
 
-    def pushes(self, exchanged: torch.Tensor, group_size: int) -> tuple[torch.Tensor, list[tuple[int, torch.Tensor]]]:
-        """For an exchange's output ``exchanged`` in this (symmetric) slab: this rank's part of it, and (peer, this
-        rank's part of the same place in the peer's slab) for every peer: where this rank's gradient parts go."""
-        return self._made_once("push", exchanged, group_size)  # type: ignore[no-any-return]
+    def pushes(self, received: torch.Tensor, group_size: int) -> list[tuple[int, torch.Tensor]]:
+        """For the peers' parts of an exchange's output, ``received`` in this (symmetric) slab (``group_size - 1``
+        parts, the peers' in rank order): (peer, this rank's part of the same place in the peer's slab) for every
+        peer: where this rank's gradient parts go."""
+        return self._made_once("push", received, group_size)  # type: ignore[no-any-return]
 
     def _made_once(self, way: str, tensor: torch.Tensor, group_size: int) -> Any:
         """The views of ``pulls`` and ``pushes``, made once per place (the slabs have one layout on every rank):
         a view costs a few µs of host time at every collective."""
         key = (way, tensor.data_ptr() - self.memory.data_ptr(), tensor.numel(), tensor.dtype)
         if key not in self._views:
-            start, part = key[1] // tensor.element_size(), tensor.numel() // group_size
-            rank, mine = self.handle.rank, tensor.view(group_size, -1)
-            at = {peer: start + (peer if way == "pull" else rank) * part for peer in range(group_size) if peer != rank}
-            theirs = {peer: self.handle.get_buffer(peer, (part,), tensor.dtype, at[peer]) for peer in at}
-            peers = [(mine[peer], buffer) if way == "pull" else (peer, buffer) for peer, buffer in theirs.items()]
-            self._views[key] = (mine[rank], peers)
+            start, rank = key[1] // tensor.element_size(), self.handle.rank
+            peers = [peer for peer in range(group_size) if peer != rank]
+            if way == "pull":
+                mine, part = tensor.view(group_size, -1), tensor.numel() // group_size
+                at = {peer: start + peer * part for peer in peers}
+            else:  # this rank's place among each peer's peers
+                part = tensor.numel() // (group_size - 1)
+                at = {peer: start + (rank - (rank > peer)) * part for peer in peers}
+            theirs = {peer: self.handle.get_buffer(peer, (part,), tensor.dtype, at[peer]) for peer in peers}
+            self._views[key] = (
+                (mine[rank], [(mine[peer], theirs[peer]) for peer in peers]) if way == "pull" else list(theirs.items())
+            )
         return self._views[key]
 
 
@@ -190,11 +193,17 @@ INTO_SLOT = all_gather_into_slot
 
 @step_ops.step_op("fsdp_compile::exchange_into_slot", INTO_SLOT_SCHEMA, into_slot_fake)
 def exchange_into_slot(gradient: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
-    """The gradient exchange (``all_to_all_single`` with equal splits) of ``gradient`` into ``out``, a slot:
-    part ``i`` of ``out`` is rank ``i``'s part for this rank. Wait with ``wait_exchange(out, gradient)``, which
-    also keeps ``gradient`` from being freed or reused while the collective may still read it."""
-    work = dist.all_to_all_single(out, gradient, group=_internals.group_named(group_name), async_op=True)
-    _internals.register_work(out, work)
+    """The gradient exchange (``all_to_all_single`` with equal splits) of ``gradient``, of which ``out``, a slot,
+    receives the peers' parts (``group_size - 1`` parts, in rank order: this rank's own part stays in
+    ``gradient``, where the sum reads it). Wait with ``wait_exchange(out, gradient)``. The route any device runs
+    (copy engines: ``exchange_into_slot_copy_engine``): a plain all-to-all into a buffer of its own, then a copy
+    of the peers' parts, in place of the peers' writes."""
+    group = _internals.group_named(group_name)
+    received = torch.empty_like(gradient)
+    dist.all_to_all_single(received, gradient, group=group)
+    parts, rank, peers = received.view(group_size, -1), group.rank(), out.view(group_size - 1, -1)
+    peers[:rank].copy_(parts[:rank])
+    peers[rank:].copy_(parts[rank + 1 :])
 
 
 def _wait_exchange_fake(out: torch.Tensor, gradient: torch.Tensor) -> None:
@@ -211,83 +220,3 @@ def wait_exchange(out: torch.Tensor, gradient: torch.Tensor) -> None:
 
 EXCHANGE_INTO_SLOT = exchange_into_slot
 WAIT_EXCHANGE = wait_exchange
-
-
-@dataclass(frozen=True)
-class SlotUse:
-    """One slot as one graph uses it."""
-
-    group: str
-    offset: int
-    """Bytes, in the group's slab."""
-    nbytes: int
-    slab_bytes: int
-    collectives: tuple[str, ...]
-    """The graph's collectives whose buffers the slot holds (all-gathers or exchanges), by node name."""
-
-
-def write_into_slots(gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: bool, keep_old: bool) -> None:
-    """Each slot becomes one ``slot`` node at the graph's start; each of its collectives writes into a view of
-    it (``all_gather_into_slot``, ``exchange_into_slot``), which Inductor lowers as a mutation of the slot: it
-    runs after every earlier read of the slot, and no such read moves past it. An all-gather's
-    ``wait_tensor`` waits for the view; an exchange's becomes ``wait_exchange``. Where the shard was cast to
-    ``param_dtype`` just for the all-gather, the op takes the uncast shard (the cast writes into the slot).
-    Reserves the slabs (a collective for symmetric ones: ``symmetric`` puts CUDA slabs in symmetric memory)."""
-    graph = gm.graph
-    nodes = {n.name: n for n in graph.nodes}
-    for use in uses:
-        collectives = [nodes[name] for name in use.collectives]
-        assert all(
-            c.target in (ALL_GATHER, EXCHANGE) and c.meta["val"].dim() == 1 and len(c.users) == 1 for c in collectives
-        ), use
-        value = collectives[0].meta["val"]
-        symmetric_here = symmetric and value.device.type == "cuda"
-        args = (use.group, value.device, use.offset, use.nbytes // value.element_size(), value.dtype,
-                use.slab_bytes, symmetric_here, keep_old)
-        with graph.inserting_before(next(n for n in graph.nodes if n.op != "placeholder")):  # a cast may be gone
-            slot_node = graph.call_function(SLOT, args)
-        slot_node.meta["val"] = value.new_empty(args[3])
-        for collective in collectives:
-            with graph.inserting_before(collective):
-                out = graph.call_function(
-                    torch.ops.aten.slice.Tensor, (slot_node, 0, 0, collective.meta["val"].numel())
-                )
-            out.meta["val"] = slot_node.meta["val"][: collective.meta["val"].numel()]
-            (_write_exchange if collective.target == EXCHANGE else _write_gather)(graph, collective, out)
-        reserve_slab(use.group, value.device, use.slab_bytes, symmetric_here, keep_old)
-    lint_and_recompile(gm)
-
-
-def _write_gather(graph: fx.Graph, gather: fx.Node, out: fx.Node) -> None:
-    shard = gather.args[0]
-    gather.target, gather.kwargs, gather.meta["val"] = INTO_SLOT, {"out": out}, None
-    if shard.target in CASTS and len(shard.users) == 1:
-        gather.args = (shard.args[0], *gather.args[1:])
-        graph.erase_node(shard)
-    gather.replace_all_uses_with(out)  # its wait_tensor
-
-
-def _write_exchange(graph: fx.Graph, exchange: fx.Node, out: fx.Node) -> None:
-    gradient, splits, _, group_name = exchange.args
-    (wait,) = exchange.users
-    exchange.target, exchange.meta["val"] = EXCHANGE_INTO_SLOT, None
-    exchange.args, exchange.kwargs = (gradient, len(splits), group_name), {"out": out}
-    with graph.inserting_before(wait):
-        graph.call_function(WAIT_EXCHANGE, (out, gradient))
-    wait.replace_all_uses_with(out)
-    graph.erase_node(wait)
-
-
-def slot_hazards(graph: fx.Graph) -> list[str]:
-    """Where a graph lets a collective write a slot while its previous occupant can still be read (empty if
-    nowhere): in graph order, every read of an occupant (through any alias) comes before the next write."""
-    index = {n: i for i, n in enumerate(graph.nodes)}
-    end = len(index) - 1
-    found = []
-    for slot_node in graph.find_nodes(op="call_function", target=SLOT):
-        writes = (w for view in slot_node.users for w in view.users if w.kwargs.get("out") is view)
-        writers = sorted(writes, key=index.__getitem__)
-        for before, after in zip(writers, writers[1:]):
-            if last_read(before.kwargs["out"], index, end) >= index[after]:
-                found.append(f"{after.name} writes {slot_node.name} before the last read of {before.name}")
-    return found

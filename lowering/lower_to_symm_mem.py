@@ -26,13 +26,14 @@ How an all-gather into a slot runs (``all_gather_into_slot_copy_engine``), on ``
    event recorded (made once per slot: ``lowering/_streams.py``); the graph's ``wait_copy_engine`` makes the
    compute stream wait for it: the side stream forks from the compute stream and joins it at the wait (what
    CUDA-graph capture needs).
-How a gradient exchange into a slot runs (``exchange_into_slot_copy_engine``; the memory plan put the
-exchange's output, part ``i`` from rank ``i``, in a slot of the symmetric slab: ``exchange_into_slot``):
-on the side stream, after the compute stream, a barrier (every rank has reached this exchange, so every
-peer's slot is free of its previous occupant), ``w - 1`` memcpys of each peer's part of this rank's gradient
-into this rank's part of the same slot in that peer's slab (pushes: the gradient stays where Inductor put
-it), a copy of this rank's own part, a barrier (every push into this rank's slot is done), an event; the
-graph's ``wait_copy_engine`` joins the side stream back and keeps the gradient alive until then. An exchange
+How a gradient exchange into a slot runs (``exchange_into_slot_copy_engine``; the memory plan put the peers'
+parts of the exchange's output, in rank order, in a slot of the symmetric slab, and the local sum reads this
+rank's own part from the gradient: ``exchange_into_slot``): on the side stream, after the compute stream, a
+barrier (every rank has reached this exchange, so every peer's slot is free of its previous occupant),
+``w - 1`` memcpys of each peer's part of this rank's gradient into this rank's place in the same slot of that
+peer's slab (pushes: the gradient stays where Inductor put it), a barrier (every push into this rank's slot is
+done), an event; the graph's ``wait_copy_engine`` joins the side stream back and keeps the gradient alive
+until then. An exchange
 the plan left without a slot (a symbolic size) stays on NCCL, said once.
 An all-gather into its own buffer (``all_gather_copy_engine``) also copies its part into this rank's slice of
 the group's symmetric workspace first (``get_symm_mem_workspace``), and the peers read it from there. The
@@ -165,14 +166,13 @@ def all_gather_into_slot_copy_engine(shard: torch.Tensor, group_size: int, group
     "fsdp_compile::exchange_into_slot_copy_engine", INTO_SLOT_SCHEMA, into_slot_fake, device_type="cuda"
 )
 def exchange_into_slot_copy_engine(gradient: torch.Tensor, group_size: int, group_name: str, out: torch.Tensor) -> None:
-    """``exchange_into_slot`` by copy engines: ``out`` is (a view of) a slot of the group's symmetric slab; wait
-    with ``wait_copy_engine(out, gradient)`` (steps: the module docstring)."""
+    """``exchange_into_slot`` by copy engines: ``out`` is (a view of) a slot of the group's symmetric slab, which
+    receives the peers' parts; wait with ``wait_copy_engine(out, gradient)`` (steps: the module docstring)."""
     slab = slab_of(group_name, out.device)
-    mine, pushes = slab.pushes(out, group_size)
+    pushes = slab.pushes(out, group_size)
     parts = gradient.view(group_size, -1).unbind()
     with on_side_stream():
         slab.handle.barrier()
-        mine.copy_(parts[slab.handle.rank])
         copy_at_once([(theirs, parts[peer]) for peer, theirs in pushes])
         slab.handle.barrier()
         record_done(out)

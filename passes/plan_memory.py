@@ -6,9 +6,9 @@ Postcondition: the plan (``MemoryPlan``) says, per process group, dtype and kind
 needs, their sizes and places in the group's slab, and which slot each collective's buffer takes; it is
 logged as the structured artifact ``fsdp_compile_memory_plan``. Applied (the default), each graph's
 all-gathers write into their slots: ``fsdp_compile::all_gather_into_slot`` into a view of a
-``fsdp_compile::slot`` node (``fsdp_compile._slots``), and, with ``exchanges`` (the backend's
+``fsdp_compile::slot`` node (``fsdp_compile._write_slots``), and, with ``exchanges`` (the backend's
 ``grad_reduce="copy_engine"``: the peers push into them), so do the gradient exchanges
-(``fsdp_compile::exchange_into_slot``: the all-to-all's output); the rest of the graph is unchanged. Other
+(``fsdp_compile::exchange_into_slot``: the peers' parts of its output); the rest of the graph is unchanged. Other
 gradient buffers (NCCL's exchanges, reduce-scatter inputs) are planned, not applied: the reductions read the
 gradients where Inductor put them. A collective of symbolic size (dynamic shapes) is not planned.
 
@@ -16,8 +16,9 @@ Buffers, in the step's order (the forward's nodes, then the backward's):
 - ``gathered``: an all-gather's output. Live from the all-gather's issue to the last read of any alias of it
   (views, ``wait_tensor``, a forward output saved for backward and its reads there).
 - ``gradient``: a reduce-scatter's input (the unit's whole gradient in the dtype it travels in), live from its
-  producer to the ``wait_tensor`` (the peers read it until then); an exchange's output (all-to-all: as big; it
-  takes the slot when applied), live from the exchange's issue to its wait or last read, whichever is later.
+  producer to the ``wait_tensor`` (the peers read it until then); the peers' parts of an exchange's output
+  (``world - 1`` of ``world``: they take the slot when applied, the sum reads this rank's own from the
+  gradient), live from the exchange's issue to its wait or last read, whichever is later.
 Two buffers may share a slot only if their live ranges do not meet (a range is inclusive: the next
 collective into a slot comes strictly after the last reader of the previous occupant).
 
@@ -40,10 +41,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch.fx as fx
 
-from fsdp_compile import _internals, _liveness, _slots
+from fsdp_compile import _internals, _liveness, _slots, _write_slots
 from fsdp_compile._graph import GraphPass
 from fsdp_compile._liveness import Buffer, ForwardBuffers, Kind, forward_buffers, step_buffers
-from fsdp_compile._slots import SlotUse, write_into_slots
+from fsdp_compile._write_slots import SlotUse, write_into_slots
 
 __all__ = [
     "SLOT_ALIGNMENT",
@@ -237,21 +238,20 @@ class PlanMemory(GraphPass):
     graph is planned alone and kept for its backward; a backward graph is planned with its forward (the
     step). AOTAutograd compiles the backward at its first call, in the forward's compile context. With
     ``apply``, each graph's all-gathers (and, with ``exchanges``, gradient exchanges; else those are planned,
-    not applied, like reduce-scatter inputs) then write into their slots (``fsdp_compile._slots``)."""
+    not applied, like reduce-scatter inputs) then write into their slots (``fsdp_compile._write_slots``)."""
 
     name = "memory"
 
     def __init__(
         self, *, apply: bool = True, symmetric: bool = False, cudagraphs: bool = False, exchanges: bool = False
     ) -> None:
-        self.write_slots = apply
+        self.write_slots, self.cudagraphs, self.exchanges = apply, cudagraphs, exchanges
         self.symmetric = symmetric
         """Slabs on GPUs in symmetric memory (the copy-engine routes read or write the peers' slots)."""
-        self.cudagraphs = cudagraphs
-        self.exchanges = exchanges
 
-    def options(self) -> str:
-        return f"{self.write_slots=} {self.symmetric=} {self.cudagraphs=} {self.exchanges=}"
+    def options(self) -> str:  # applied exchanges: each rank's graph is its own (``_write_slots._write_exchange``)
+        ranks = _internals.group_ranks() if self.exchanges and self.write_slots else ()
+        return f"{self.write_slots=} {self.symmetric=} {self.cudagraphs=} {self.exchanges=} {ranks=}"
 
     def plan(self, graph: fx.Graph) -> MemoryPlan:
         if not _is_backward(graph):
@@ -264,7 +264,7 @@ class PlanMemory(GraphPass):
         return plan_memory(buffers, graphs=("forward", "backward") if forward.length else ("backward",))
 
     def sources(self) -> Sequence[str]:
-        return (*super().sources(), _liveness.__file__, _slots.__file__)
+        return (*super().sources(), _liveness.__file__, _slots.__file__, _write_slots.__file__)
 
     def apply(self, gm: fx.GraphModule, plan: MemoryPlan) -> None:
         """Keeps a forward's buffers for its backward (and lets them go once it is planned), then writes the

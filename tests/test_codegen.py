@@ -130,10 +130,12 @@ def test_no_kernel_uses_a_slot_while_its_all_gather_is_in_flight(code: list[str]
 
 
 @pytest.mark.slow
-def test_each_slotted_exchange_keeps_its_gradient_until_it_is_waited_for() -> None:
+def test_each_slotted_exchange_keeps_its_gradient_until_it_is_waited_for_and_then_summed() -> None:
     """With the exchanges in slots (what ``grad_reduce="copy_engine"`` applies; its copy engines need GPUs, so
     here the slotted NCCL-route op), each exchange reads its gradient on another stream: Inductor must not free
-    the gradient, nor hand its memory to another buffer, before ``wait_exchange`` (which takes it for that)."""
+    the gradient, nor hand its memory to another buffer, before ``wait_exchange`` (which takes it for that).
+    The slot holds the peers' parts only: after the wait, the first kernel sums them with this rank's own part,
+    read from the gradient (no copy of it)."""
     with slotted_exchanges():
         backward = _code("fsdp_compile")[1]
     exchanges = re.findall(rf"^\s*({re.escape(EXCHANGE)}(buf\d+), \d+, '\d+', out=(.+)\))$", backward, re.MULTILINE)
@@ -142,6 +144,9 @@ def test_each_slotted_exchange_keeps_its_gradient_until_it_is_waited_for() -> No
         start = backward.index(line)
         wait = backward.index(f"wait_exchange.default({out}, {gradient})", start)
         assert not re.search(rf"del {gradient}\b|= {gradient}\b|\({gradient}, \(", backward[start:wait]), line
+        summed = re.search(r"^\s*\w+_fused_\w+\((.*)\)$", backward[wait:], re.MULTILINE)
+        slot = re.match(r"(?:reinterpret_tensor\()?(buf\d+)", out).group(1)  # type: ignore[union-attr]
+        assert summed and {gradient, slot} <= set(summed.group(1).split(", ")), (line, summed)
 
 
 @pytest.mark.slow

@@ -121,15 +121,18 @@ def _profile(rank: int, world_size: int, out: str) -> None:
     assert copies["copy_engine_unplanned"]["count"] - copies["on"]["count"] >= gathers * (world_size + 1), copies
     assert copies["copy_engine"]["beside_compute_ms"] > 0, copies
     # Gradient exchanges on copy engines too: no NCCL kernel at all (every unit exchanges: bf16 gradients,
-    # fp32 reduce); per exchange one push per peer (this rank's gradient -> the peer's slot) and one local
-    # copy of this rank's own part, beside the all-gathers' copies.
+    # fp32 reduce); per exchange one push per peer (this rank's gradient -> the peer's slot), beside the
+    # all-gathers' copies, and no copy of this rank's own part (the sum reads it from the gradient).
     exchanges = STEPS * (MEDIUM.n_layers + 1)
     assert nccl_kernels["copy_engine_exchange"] == 0 < nccl_kernels["copy_engine"], nccl_kernels
-    assert copies["copy_engine_exchange"]["count"] - copies["copy_engine"]["count"] == exchanges * world_size, copies
+    pushes = copies["copy_engine_exchange"]["count"] - copies["copy_engine"]["count"]
+    assert pushes == exchanges * (world_size - 1), copies
     # Memory: the symmetric slab the driver gave (memory outside the caching allocator, made in the first
     # step) is what the plans asked for, within 5%; with the exchanges' slots the same group's slab grows
-    # from the previous configuration's, so the driver sees the difference (measured on 2 and 4 H100s:
-    # 196.0 MiB = 424 - 228). No step peaks higher than with all-gathers into buffers of their own. The
+    # from the previous configuration's, so the driver sees the difference (planned on CPU: two slots of the
+    # peers' parts, 326 - 228 = 98 MiB over 2 ranks, 375 - 228 = 147 MiB over 4; 196 MiB on both, measured,
+    # while the slots held this rank's own part too). No step
+    # peaks higher than with all-gathers into buffers of their own. The
     # exchanges' slots hold slab memory for the whole step where Inductor frees their buffers between
     # exchanges: with them the caching allocator peaks no higher, but the total (slab included) is not below
     # NCCL's on this model.

@@ -14,7 +14,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fsdp_compile
 from fsdp_compile._internals import MissingTorchFeature, symm_mem
-from fsdp_compile._slots import slot_hazards
+from fsdp_compile._write_slots import slot_hazards
 from fsdp_compile.lowering.choose_route import RouteChoice, choose_all_gather
 from fsdp_compile.lowering.lower_to_symm_mem import SymmMemPlan, apply_symm_mem, plan_symm_mem
 from fsdp_compile.testing.graphs import compile_and_capture, slotted_exchanges

@@ -9,6 +9,7 @@ reduce-scatter per micro-batch) and activation checkpointing.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import os
@@ -22,6 +23,7 @@ from torch._dynamo.utils import counters
 
 import fsdp_compile
 from fsdp_compile.testing.dist import hsdp_mesh, spawn_ranks
+from fsdp_compile.testing.graphs import slotted_exchanges
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, save_matmuls
 from fsdp_compile.testing.reference import full_grads, reference_step, rel_error
 
@@ -118,6 +120,8 @@ class Case:
     mode: str | None = None  # torch.compile(mode=...)
     memory_plan: bool = True  # BackendConfig.memory_plan: all-gathers into planned slots
     mesh: tuple[int, int] | None = None  # HSDP: shard(mesh=...) on a (replicate, shard) DeviceMesh of this shape
+    slotted_exchanges: bool = False  # the exchanges in the plan's slots, as grad_reduce="copy_engine" has them, on
+    # the route any device runs (fsdp_compile.testing.graphs.slotted_exchanges)
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:
@@ -130,6 +134,11 @@ def _param_groups(model: torch.nn.Module) -> list[dict]:
 
 
 def _train_and_compare(rank: int, world_size: int, case: Case) -> None:
+    with slotted_exchanges() if case.slotted_exchanges else contextlib.nullcontext():
+        _train_and_compare_here(rank, world_size, case)
+
+
+def _train_and_compare_here(rank: int, world_size: int, case: Case) -> None:
     loss_tol, grad_tol, param_tol = TOLERANCES[(case.device, case.compiler, case.dtype, case.param_dtype)]
     device = f"cuda:{rank}" if case.device == "cuda" else "cpu"
     torch.manual_seed(0)
@@ -289,6 +298,15 @@ def test_parity_bf16_params_fp32_reduce_both_ways(world_size: int, exchange: boo
     """The all-to-all exchange with 3 ranks (another summation order than NCCL's), and the fp32
     reduce-scatter it replaces."""
     spawn_ranks(_train_and_compare, world_size, Case("aot_eager", param_dtype=torch.bfloat16, steps=3, exchange=exchange))
+
+
+@pytest.mark.parametrize("compiler, world_size", [("aot_eager", 3), ("inductor", 2)])
+def test_parity_exchanges_into_slots(compiler: str, world_size: int) -> None:
+    """The gradient exchanges in the plan's slots (as on the copy-engine route): each slot receives the peers'
+    parts and the sum reads this rank's own part from its gradient, a constant of each rank's graph (3 ranks:
+    rank 1's peers lie on both sides of it)."""
+    case = Case(compiler, param_dtype=torch.bfloat16, steps=3, slotted_exchanges=True)
+    spawn_ranks(_train_and_compare, world_size, case)
 
 
 def test_parity_eager_without_compile() -> None:

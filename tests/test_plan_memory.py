@@ -8,10 +8,12 @@ import random
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.fx as fx
 from hypothesis import given
 from hypothesis import strategies as st
 from torch import nn
+from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
 from fsdp_compile.passes.plan_memory import (
@@ -20,12 +22,14 @@ from fsdp_compile.passes.plan_memory import (
     MemoryPlan,
     Slot,
     forward_buffers,
+    PlanMemory,
     hazards,
     plan_memory,
     step_buffers,
 )
-from fsdp_compile._graph import ALL_GATHER, EXCHANGE, wait_of
-from fsdp_compile._slots import EXCHANGE_INTO_SLOT, INTO_SLOT, SLOT, WAIT_EXCHANGE, slot_hazards
+from fsdp_compile._graph import ALL_GATHER, EXCHANGE, nbytes, wait_of
+from fsdp_compile._slots import EXCHANGE_INTO_SLOT, INTO_SLOT, SLOT, WAIT_EXCHANGE
+from fsdp_compile._write_slots import slot_hazards
 from fsdp_compile.passes.plan_memory import slot_uses
 from fsdp_compile.testing.graphs import memory_plans, slotted_exchanges
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
@@ -258,9 +262,10 @@ def test_applied_every_collective_writes_into_its_slot(fake_pg: None, model: str
 
 
 def test_an_exchange_is_live_from_its_issue_not_from_its_gradient(fake_pg: None) -> None:
-    """An exchange's buffer is its output (it takes the slot): live from the exchange's issue (no peer writes
-    into it before this rank reaches the exchange) to its wait or the output's last read, not from the node
-    that produced the gradient (which stays where Inductor put it): a longer range kept one more slot."""
+    """An exchange's buffer is the peers' parts of its output (they take the slot; this rank's own part is
+    read from the gradient): live from the exchange's issue (no peer writes into it before this rank reaches
+    the exchange) to its wait or the output's last read, not from the node that produced the gradient (which
+    stays where Inductor put it): a longer range kept one more slot."""
     _, graphs = _step(*_model("llama"), "aot_eager", memory_plan=False, exchange=True)
     forward = forward_buffers(graphs["forward"])
     position = {n: forward.length + i for i, n in enumerate(graphs["backward"].nodes)}
@@ -271,6 +276,21 @@ def test_an_exchange_is_live_from_its_issue_not_from_its_gradient(fake_pg: None)
         node = exchanges[b.name]
         assert b.start == position[node] > position[node.args[0]], (b, node.args[0])
         assert b.end >= position[wait_of(node)], b
+        assert b.nbytes == nbytes(node) // 2, b  # 2 ranks: one peer's part
+
+
+def test_with_exchanges_in_slots_the_ranks_key_inductors_caches_apart() -> None:
+    """Applied exchanges make each rank's graph its own (where its own part lies is a constant of the graph):
+    a cache directory, which the ranks of a host share, must not hand one rank's graph to another."""
+    uuids = []
+    for rank in (0, 1):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
+        try:
+            uuids.append([PlanMemory(exchanges=True).uuid(), PlanMemory(exchanges=True, apply=False).uuid(),
+                          PlanMemory().uuid()])
+        finally:
+            dist.destroy_process_group()
+    assert uuids[0][0] != uuids[1][0] and uuids[0][1:] == uuids[1][1:]
 
 
 def test_inductor_logs_the_plan_of_its_post_grad_graphs(fake_pg: None) -> None:
@@ -290,7 +310,7 @@ def test_write_into_slots_when_the_graph_starts_with_a_cast_it_removes() -> None
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from fsdp_compile._graph import WAIT
-    from fsdp_compile._slots import SlotUse, write_into_slots
+    from fsdp_compile._write_slots import SlotUse, write_into_slots
 
     graph = fx.Graph()
     with FakeTensorMode():

@@ -35,7 +35,8 @@ import torch.fx as fx
 __all__ = [
     "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
     "aot_autograd", "c10d_functional", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
-    "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_store", "group_timeout",
+    "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_ranks", "group_store",
+    "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
     "list_mode_options", "make_boxed_func", "outside_fake_mode", "outside_graph_pools",
     "placeholder_source",
@@ -120,6 +121,12 @@ def current_compile_id() -> str:
 
 group_named: Callable[[str], Any] = _need("torch.distributed.distributed_c10d", "_resolve_process_group")
 """The process group a functional collective's ``group_name`` names."""
+
+
+def group_ranks() -> tuple[tuple[str, int], ...]:
+    """(group name, this process's rank in it) for each of its process groups, by name."""
+    groups = _need("torch.distributed.distributed_c10d", "_world").pg_names
+    return tuple(sorted((name, group.rank()) for group, name in groups.items()))
 
 
 def outside_graph_pools(device: torch.device, allocate: Callable[[], T]) -> T:
