@@ -17,7 +17,7 @@ import torch.fx as fx
 from fsdp_compile._graph import ALL_GATHER, EXCHANGE, GRAD_REDUCTIONS, WAIT, nbytes, wait_of
 from fsdp_compile._internals import is_view_op
 
-__all__ = ["Buffer", "ForwardBuffers", "Kind", "forward_buffers", "last_read", "step_buffers"]
+__all__ = ["Buffer", "ForwardBuffers", "Kind", "forward_buffers", "last_read", "slotted_numel", "step_buffers"]
 
 Kind = Literal["gathered", "gradient"]
 Saved = tuple[tuple[str, tuple[str, ...]], ...]
@@ -116,16 +116,24 @@ def _graph_buffers(graph: fx.Graph, stage: str, offset: int) -> tuple[tuple[Buff
             start = index[source] if source.op != "placeholder" else offset
             last = index[wait] if wait is not None else end
             size = nbytes(source)
-            if node.target == EXCHANGE:  # the peers' parts of its output take the slot (this rank's own part is
-                # read from the gradient): from the issue to their last read (no peer writes into the slot before
-                # this rank issues the exchange: NCCL, or the copy engines' barrier, wait for every rank to reach it)
+            if node.target == EXCHANGE:  # what takes the slot (``slotted_numel``): from the issue to its last read
+                # (no peer writes into the slot before this rank issues the exchange: NCCL, or the copy engines'
+                # barrier, wait for every rank to reach it)
                 start, last = index[node], max(last, last_read(node, index, end))
-                size -= size // len(node.args[1])
+                size = slotted_numel(node) * source.meta["val"].element_size()
             buffers.append(
                 Buffer(f"{stage}/{node.name}", str(node.args[-1]), str(source.meta["val"].dtype), "gradient",
                        size, start, last, in_slab=node.target == EXCHANGE)
             )
     return tuple(buffers), tuple(saved)
+
+
+def slotted_numel(collective: fx.Node) -> int:
+    """The elements of a collective's output that its slot holds: an all-gather's whole output; the peers'
+    parts of an exchange's, ``world - 1`` of its ``world`` (the local sum reads this rank's own part from the
+    gradient: ``_write_slots``)."""
+    numel = collective.meta["val"].numel()
+    return numel - numel // len(collective.args[1]) if collective.target == EXCHANGE else numel
 
 
 def _aliases(node: fx.Node) -> list[fx.Node]:

@@ -60,16 +60,16 @@ class Slab:
         if key not in self._views:
             start, rank = key[1] // tensor.element_size(), self.handle.rank
             peers = [peer for peer in range(group_size) if peer != rank]
+
+            def theirs(peer: int, index: int, part: int) -> torch.Tensor:  # part ``index`` of the peer's place
+                return self.handle.get_buffer(peer, (part,), tensor.dtype, start + index * part)
+
             if way == "pull":
                 mine, part = tensor.view(group_size, -1), tensor.numel() // group_size
-                at = {peer: start + peer * part for peer in peers}
+                self._views[key] = (mine[rank], [(mine[peer], theirs(peer, peer, part)) for peer in peers])
             else:  # this rank's place among each peer's peers
                 part = tensor.numel() // (group_size - 1)
-                at = {peer: start + (rank - (rank > peer)) * part for peer in peers}
-            theirs = {peer: self.handle.get_buffer(peer, (part,), tensor.dtype, at[peer]) for peer in peers}
-            self._views[key] = (
-                (mine[rank], [(mine[peer], theirs[peer]) for peer in peers]) if way == "pull" else list(theirs.items())
-            )
+                self._views[key] = [(peer, theirs(peer, rank - (rank > peer), part)) for peer in peers]
         return self._views[key]
 
 
@@ -212,10 +212,11 @@ def _wait_exchange_fake(out: torch.Tensor, gradient: torch.Tensor) -> None:
 
 @step_ops.step_op("fsdp_compile::wait_exchange", "(Tensor(a!) out, Tensor gradient) -> ()", _wait_exchange_fake)
 def wait_exchange(out: torch.Tensor, gradient: torch.Tensor) -> None:
-    """``wait_tensor(out)`` for an exchange into a slot. ``gradient`` is an argument only so that the compiled
-    graph keeps it until here (Inductor frees or reuses a buffer after its last reader, not knowing that a
-    collective on another stream still reads it); ``out`` is "mutated" so that every read of it comes after."""
-    _internals.c10d_functional.wait_tensor(out)
+    """The graph's wait for an exchange into a slot: nothing to do on this route (``exchange_into_slot`` is done
+    when it returns); on copy engines the lowering makes it ``wait_copy_engine``. ``gradient`` is an argument
+    only so that the compiled graph keeps it until here (Inductor frees or reuses a buffer after its last
+    reader, not knowing that a collective on another stream still reads it); ``out`` is "mutated" so that every
+    read of it comes after."""
 
 
 EXCHANGE_INTO_SLOT = exchange_into_slot

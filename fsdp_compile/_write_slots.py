@@ -12,7 +12,7 @@ import torch.fx as fx
 
 from fsdp_compile import _internals
 from fsdp_compile._graph import ALL_GATHER, CASTS, EXCHANGE, lint_and_recompile
-from fsdp_compile._liveness import last_read
+from fsdp_compile._liveness import last_read, slotted_numel
 from fsdp_compile._slots import EXCHANGE_INTO_SLOT, INTO_SLOT, SLOT, WAIT_EXCHANGE, reserve_slab
 
 __all__ = ["SlotUse", "slot_hazards", "write_into_slots"]
@@ -53,11 +53,8 @@ def write_into_slots(gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: b
             slot_node = graph.call_function(SLOT, args)
         slot_node.meta["val"] = value.new_empty(args[3])
         for collective in collectives:
-            numel = collective.meta["val"].numel()
-            if collective.target == EXCHANGE:  # the peers' parts
-                numel -= numel // len(collective.args[1])
             with graph.inserting_before(collective):
-                out = _call(graph, torch.ops.aten.slice.Tensor, slot_node, 0, 0, numel)
+                out = _call(graph, torch.ops.aten.slice.Tensor, slot_node, 0, 0, slotted_numel(collective))
             (_write_exchange if collective.target == EXCHANGE else _write_gather)(graph, collective, out)
         reserve_slab(use.group, value.device, use.slab_bytes, symmetric_here, keep_old)
     lint_and_recompile(gm)

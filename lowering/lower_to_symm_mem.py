@@ -33,8 +33,7 @@ barrier (every rank has reached this exchange, so every peer's slot is free of i
 ``w - 1`` memcpys of each peer's part of this rank's gradient into this rank's place in the same slot of that
 peer's slab (pushes: the gradient stays where Inductor put it), a barrier (every push into this rank's slot is
 done), an event; the graph's ``wait_copy_engine`` joins the side stream back and keeps the gradient alive
-until then. An exchange
-the plan left without a slot (a symbolic size) stays on NCCL, said once.
+until then. An exchange the plan left without a slot (a symbolic size) stays on NCCL, said once.
 An all-gather into its own buffer (``all_gather_copy_engine``) also copies its part into this rank's slice of
 the group's symmetric workspace first (``get_symm_mem_workspace``), and the peers read it from there. The
 workspace is allocated when the backend compiles (``reserve_workspace``), sized to the largest shard, so it
@@ -176,7 +175,6 @@ def exchange_into_slot_copy_engine(gradient: torch.Tensor, group_size: int, grou
         copy_at_once([(theirs, parts[peer]) for peer, theirs in pushes])
         slab.handle.barrier()
         record_done(out)
-
 
 
 @dataclass(frozen=True)

@@ -131,11 +131,10 @@ def _profile(rank: int, world_size: int, out: str) -> None:
     # step) is what the plans asked for, within 5%; with the exchanges' slots the same group's slab grows
     # from the previous configuration's, so the driver sees the difference (two slots of the peers' parts:
     # measured on 2 H100s 98.0 MiB = 326 - 228, planned over 4 ranks 375 - 228 = 147 MiB; 196 MiB on both,
-    # measured, while the slots held this rank's own part too). No step
-    # peaks higher than with all-gathers into buffers of their own. The
-    # exchanges' slots hold slab memory for the whole step where Inductor frees their buffers between
-    # exchanges: with them the caching allocator peaks no higher, but the total (slab included) is not below
-    # NCCL's on this model.
+    # measured, while the slots held this rank's own part too). No step peaks higher than with all-gathers
+    # into buffers of their own. The exchanges' slots hold slab memory for the whole step where Inductor
+    # frees their buffers between exchanges: with them the caching allocator peaks no higher, but the total
+    # (slab included) is not below NCCL's on this model.
     for name in ("copy_engine", "copy_engine_exchange"):
         slabs, new, driver = (memory[name][k] for k in ("slabs_mib", "new_symmetric_mib", "outside_allocator_mib"))
         assert slabs > 0 and abs(driver - new) <= 0.05 * slabs, memory
