@@ -42,6 +42,7 @@ from fsdp_compile.passes.map_units import UnitInputsPlan, plan_unit_inputs
 from fsdp_compile.passes.plan_memory import PlanMemory
 from fsdp_compile.passes.reshard_after_forward import ReshardAfterForward
 from fsdp_compile.passes.schedule_overlap import ScheduleOverlap
+from fsdp_compile.passes.write_gradients_in_place import WriteGradientsInPlace
 
 __all__ = ["backend", "fsdp_compile_backend"]
 
@@ -60,6 +61,7 @@ def _post_grad_passes(config: BackendConfig) -> PassPipeline:
     ))
     if gathers or exchanges:
         passes.append(LowerToSymmMem(all_gather=gathers, grad_reduce=exchanges))
+    passes.append(WriteGradientsInPlace())
     return PassPipeline(passes)
 
 

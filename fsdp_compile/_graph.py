@@ -27,6 +27,7 @@ __all__ = [
     "GRAD_REDUCTIONS",
     "GraphPass",
     "WAIT",
+    "call_with_value",
     "graph_module",
     "lint_and_recompile",
     "named",
@@ -84,6 +85,14 @@ def lint_and_recompile(gm: fx.GraphModule) -> None:
     """How every ``apply_*`` ends: check the graph, regenerate the module's code."""
     gm.graph.lint()
     gm.recompile()
+
+
+def call_with_value(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
+    """A node of ``target(*args, **kwargs)`` at the graph's insert point, with its value (``meta["val"]``,
+    computed on the arguments' values: the graph's fake tensors)."""
+    node = graph.call_function(target, args, kwargs)
+    node.meta["val"] = target(*fx.node.map_arg(args, lambda a: a.meta["val"]), **kwargs)
+    return node
 
 
 def plan_json(plan: Any, *, omit: tuple[str, ...] = ()) -> str:

@@ -5,13 +5,12 @@ its previous occupant can still be read (``slot_hazards``). The slabs and the op
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.fx as fx
 
 from fsdp_compile import _internals
-from fsdp_compile._graph import ALL_GATHER, CASTS, EXCHANGE, lint_and_recompile
+from fsdp_compile._graph import ALL_GATHER, CASTS, EXCHANGE, call_with_value, lint_and_recompile
 from fsdp_compile._liveness import last_read, slotted_numel
 from fsdp_compile._slots import EXCHANGE_INTO_SLOT, INTO_SLOT, SLOT, WAIT_EXCHANGE, reserve_slab
 
@@ -54,7 +53,7 @@ def write_into_slots(gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: b
         slot_node.meta["val"] = value.new_empty(args[3])
         for collective in collectives:
             with graph.inserting_before(collective):
-                out = _call(graph, torch.ops.aten.slice.Tensor, slot_node, 0, 0, slotted_numel(collective))
+                out = call_with_value(graph, torch.ops.aten.slice.Tensor, slot_node, 0, 0, slotted_numel(collective))
             (_write_exchange if collective.target == EXCHANGE else _write_gather)(graph, collective, out)
         reserve_slab(use.group, value.device, use.slab_bytes, symmetric_here, keep_old)
     lint_and_recompile(gm)
@@ -97,20 +96,13 @@ def _write_exchange(graph: fx.Graph, exchange: fx.Node, out: fx.Node) -> None:
         summed = None
         for source in range(world):  # part ``source`` came from rank ``source``: the own part, or a peer's
             tensor, at = (gradient, rank) if source == rank else (out, source - (source > rank))
-            value = _call(graph, torch.ops.aten.slice.Tensor, tensor, 0, at * part, (at + 1) * part)
+            value = call_with_value(graph, torch.ops.aten.slice.Tensor, tensor, 0, at * part, (at + 1) * part)
             for node in scale:
-                value = _call(graph, node.target, value, *node.args[1:], **node.kwargs)
-            summed = value if summed is None else _call(graph, torch.ops.aten.add.Tensor, summed, value)
+                value = call_with_value(graph, node.target, value, *node.args[1:], **node.kwargs)
+            summed = value if summed is None else call_with_value(graph, torch.ops.aten.add.Tensor, summed, value)
         total.replace_all_uses_with(summed)
     for node in (total, *reversed(scale), view, wait):
         graph.erase_node(node)
-
-
-def _call(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> fx.Node:
-    """A node of ``target(*args, **kwargs)`` with its value (fake tensors: the graph's)."""
-    node = graph.call_function(target, args, kwargs)
-    node.meta["val"] = target(*fx.node.map_arg(args, lambda a: a.meta["val"]), **kwargs)
-    return node
 
 
 def slot_hazards(graph: fx.Graph) -> list[str]:

@@ -1,0 +1,197 @@
+"""Write each unit's parameter gradients straight into its flat gradient.
+
+Precondition: a scheduled post-grad backward graph (after ``schedule_overlap`` and ``plan_memory``) in which
+a unit's flat gradient, the input of its gradient reduction, is the sum of ``slice_scatter(zeros, piece, 0,
+start, end)`` over its parameters' gradients: how AOTAutograd differentiates the views of the gathered
+parameters (``aten.full`` of zeros, each piece a flattened gradient).
+Postcondition: that flat gradient is a buffer of its own (``aten.empty``) written in place: the gaps between
+the parameters (and the padding) zeroed by ``fsdp_compile::zero_into``, a piece that is a matrix product by
+``fsdp_compile::mm_into`` where the product was (the weight gradient's matmul writes its slice), any other
+piece by ``fsdp_compile::copy_into``. The reduction reads the buffer where it read the sum.
+
+Why: Inductor computes each weight gradient's matmul (an extern kernel) into a buffer of its own, then one
+kernel copies every piece into the flat gradient (it writes only flexible layouts, not an extern matmul's,
+straight into a concatenation): a read and a write of the unit's whole gradient, and both copies live at once.
+The ops write arguments in place, so Inductor lowers them after every read of the old value and keeps every
+later read after them (``_internals.step_ops``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from fsdp_compile._graph import GRAD_REDUCTIONS, GraphPass, call_with_value, lint_and_recompile, plan_json
+from fsdp_compile._internals import is_view_op, step_ops
+
+__all__ = ["InPlaceGradients", "WriteGradientsInPlace", "plan_in_place_gradients", "write_gradients_in_place"]
+
+MM, ADD = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
+SLICE_SCATTER, SLICE_BACKWARD = torch.ops.aten.slice_scatter.default, torch.ops.aten.slice_backward.default
+
+
+def _no_output(*args: object, **kwargs: object) -> None:
+    return None
+
+
+@step_ops.step_op("fsdp_compile::mm_into", "(Tensor a, Tensor b, *, Tensor(a!) out) -> ()", _no_output)
+def mm_into(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> None:
+    """``out = a @ b``, in place."""
+    torch.mm(a, b, out=out)
+
+
+@step_ops.step_op("fsdp_compile::copy_into", "(Tensor src, *, Tensor(a!) out) -> ()", _no_output)
+def copy_into(src: torch.Tensor, *, out: torch.Tensor) -> None:
+    out.copy_(src)
+
+
+@step_ops.step_op("fsdp_compile::zero_into", "(Tensor(a!) out, SymInt[] starts, SymInt[] ends) -> ()", _no_output)
+def zero_into(out: torch.Tensor, starts: list[int], ends: list[int]) -> None:
+    """Zero ``out[start:end]`` for each (start, end)."""
+    for start, end in zip(starts, ends):
+        out[start:end].zero_()
+
+
+@dataclass(frozen=True)
+class InPlaceGradients:
+    units: tuple[tuple[str, tuple[tuple[str, int, int], ...]], ...]
+    """(the flat gradient's node, its pieces: (node, start, end) in the flat gradient), per unit."""
+    matmuls: int
+    """Pieces that are a matrix product's result, written by the product itself."""
+
+    def to_json(self) -> str:
+        return plan_json(self)
+
+    def summary(self) -> str:
+        pieces = sum(len(p) for _, p in self.units)
+        return f"{len(self.units)} flat gradients written in place: {pieces} pieces, {self.matmuls} by their matmul"
+
+
+def _scattered(node: fx.Node) -> tuple[fx.Node, int, int] | None:
+    """(piece, start, end) if ``node`` places a 1-D ``piece`` at ``[start, end)`` of zeros, else None:
+    ``slice_scatter(zeros, piece, 0, start, end)`` (Inductor's decomposition) or ``slice_backward(piece, sizes,
+    0, start, end, 1)`` (the AOT graph's)."""
+    if node.target == SLICE_SCATTER:
+        zeros, piece, dim, start, end = node.args[:5]
+        if zeros.target != torch.ops.aten.full.default or zeros.args[1] != 0 or node.args[5:] not in ((), (1,)):  # type: ignore[union-attr]
+            return None
+    elif node.target == SLICE_BACKWARD:
+        piece, _, dim, start, end, step = node.args
+        if step != 1:
+            return None
+    else:
+        return None
+    return (piece, start, end) if dim == 0 and piece.meta["val"].dim() == 1 else None  # type: ignore[union-attr, return-value]
+
+
+def _pieces(node: fx.Node) -> list[fx.Node] | None:
+    """The scatters of pieces into zeros (``_scattered``) that the add-tree ``node`` sums (None if it is not
+    one)."""
+    if _scattered(node) is not None:
+        return [node]
+    if node.target != ADD:
+        return None
+    found = [_pieces(a) if isinstance(a, fx.Node) and len(a.users) == 1 else None for a in node.args]
+    return None if None in found else [p for part in found for p in part]  # type: ignore[union-attr]
+
+
+def _product(piece: fx.Node) -> fx.Node | None:
+    """The matmul whose result ``piece`` flattens, if ``piece`` is only views of it, laid out as it is (a
+    transpose of a transpose, a reshape), and the result is used for nothing else."""
+    node, laid_out = piece, None
+    while is_view_op(node.target) and len(node.users) == 1 and isinstance(node.args[0], fx.Node):
+        node, laid_out = node.args[0], laid_out or node.args[0]
+    if node.target != MM or len(node.users) != 1 or laid_out is None:
+        return None
+    result, before = node.meta["val"], laid_out.meta["val"]
+    same = before.shape == result.shape and before.is_contiguous() and before.storage_offset() == 0
+    return node if same and result.is_contiguous() else None
+
+
+def plan_in_place_gradients(graph: fx.Graph) -> InPlaceGradients:
+    units, matmuls = [], 0
+    nodes = {n.name: n for n in graph.nodes}
+    for reduction in graph.nodes:
+        if reduction.target not in GRAD_REDUCTIONS:
+            continue
+        flat = reduction.args[0]
+        scatters = _pieces(flat) if isinstance(flat, fx.Node) and flat.op == "call_function" else None
+        if not scatters:
+            continue
+        placed = sorted((_scattered(s) for s in scatters), key=lambda p: p[1])  # type: ignore[index]
+        pieces = tuple((piece.name, start, end) for piece, start, end in placed)  # type: ignore[misc]
+        ranges = [p[1:] for p in pieces]
+        if any(end > start_next for (_, end), (start_next, _) in zip(ranges, ranges[1:])):
+            continue  # overlapping pieces: a sum, not a concatenation
+        units.append((flat.name, pieces))
+        matmuls += sum(_product(nodes[name]) is not None for name, _, _ in pieces)
+    return InPlaceGradients(units=tuple(units), matmuls=matmuls)
+
+
+def write_gradients_in_place(gm: fx.GraphModule, plan: InPlaceGradients) -> None:
+    graph = gm.graph
+    position = {n: i for i, n in enumerate(graph.nodes)}
+    nodes = {n.name: n for n in graph.nodes}
+    for flat_name, pieces in plan.units:
+        flat = nodes[flat_name]
+        value = flat.meta["val"]
+        sources = [(nodes[name], start, end) for name, start, end in pieces]
+        writers = {piece: _product(piece) or piece for piece, _, _ in sources}
+        first = min(writers.values(), key=position.__getitem__)
+        with graph.inserting_before(first):
+            buffer = call_with_value(graph, torch.ops.aten.empty.memory_format, [value.numel()], dtype=value.dtype,
+                           device=value.device)
+            bounds = [0] + [b for _, start, end in sources for b in (start, end)] + [value.numel()]
+            gaps = [(s, e) for s, e in zip(bounds[::2], bounds[1::2]) if e > s]
+            if gaps:
+                graph.call_function(ZERO_INTO, (buffer, [s for s, _ in gaps], [e for _, e in gaps]))
+        for piece, start, end in sources:
+            product = _product(piece)
+            anchor = product or piece
+            with graph.inserting_before(anchor if product is not None else anchor.next):
+                out = call_with_value(graph, torch.ops.aten.slice.Tensor, buffer, 0, start, end)
+                if product is not None:
+                    out = call_with_value(graph, torch.ops.aten.view.default, out, list(product.meta["val"].shape))
+                    graph.call_function(MM_INTO, product.args, {"out": out})
+                else:
+                    graph.call_function(COPY_INTO, (piece,), {"out": out})
+        scatters = _pieces(flat) or []
+        zeros = {s.args[0] for s in scatters if s.target == SLICE_SCATTER}
+        flat.replace_all_uses_with(buffer)
+        dead = [flat, *_adds(flat), *scatters]
+        for node in sorted(set(dead), key=position.__getitem__, reverse=True):
+            graph.erase_node(node)
+        for piece, _, _ in sources:
+            product, node = _product(piece), piece
+            while product is not None and node is not product:  # the views, then the matmul
+                node, view = node.args[0], node
+                graph.erase_node(view)
+            if product is not None:
+                graph.erase_node(product)
+        for node in zeros:
+            if not node.users:
+                graph.erase_node(node)
+    lint_and_recompile(gm)
+
+
+def _adds(node: fx.Node) -> list[fx.Node]:
+    """The add nodes of the add-tree under ``node`` (``node`` excluded)."""
+    found = []
+    for arg in node.args:
+        if isinstance(arg, fx.Node) and arg.target == ADD:
+            found += [arg, *_adds(arg)]
+    return found
+
+
+MM_INTO, COPY_INTO, ZERO_INTO = mm_into, copy_into, zero_into
+
+
+class WriteGradientsInPlace(GraphPass):
+    """The pass as part of Inductor's ``post_grad_custom_post_pass``, last (backward graphs hold the reductions)."""
+
+    name = "write_gradients_in_place"
+    plan = staticmethod(plan_in_place_gradients)
+    apply = staticmethod(write_gradients_in_place)
+

@@ -1,0 +1,98 @@
+"""write_gradients_in_place: each unit's weight gradients' matmuls write straight into the flat gradient its
+reduction reads (graph structure and Inductor's code on CPU, fake process group), and the gradients stay right
+where the flat gradient has gaps and padding (parameters whose sizes are not multiples of the alignment, on 2
+gloo ranks)."""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+import fsdp_compile
+from fsdp_compile._graph import GRAD_REDUCTIONS
+from fsdp_compile.passes.write_gradients_in_place import COPY_INTO, MM_INTO, ZERO_INTO
+from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.graphs import compile_and_capture
+from fsdp_compile.testing.llama import LLAMA_TINY
+from fsdp_compile.testing.reference import full_grads, rel_error
+
+MP = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+MATMULS_PER_BLOCK = 7  # wq, wk, wv, wo, w1, w2, w3; and two norms
+
+
+def _writers(buffer: torch.fx.Node) -> list[torch.fx.Node]:
+    """The in-place writes into ``buffer`` (through its views)."""
+    found, views = [], [buffer]
+    while views:
+        node = views.pop()
+        for user in node.users:
+            if user.target in (MM_INTO, COPY_INTO, ZERO_INTO):
+                found.append(user)
+            elif user.target in (torch.ops.aten.slice.Tensor, torch.ops.aten.view.default):
+                views.append(user)
+    return found
+
+
+def test_each_blocks_matmuls_write_into_the_flat_gradient_its_reduction_reads() -> None:
+    backward = compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager"})["backward"].graph
+    flats = [r.args[0] for r in backward.nodes if r.target in GRAD_REDUCTIONS]
+    written = [f for f in flats if f.target == torch.ops.aten.empty.memory_format]
+    assert len(written) == LLAMA_TINY.n_layers  # the root's embedding is tied: two gradients summed, left alone
+    for flat in written:
+        targets = [w.target for w in _writers(flat)]
+        assert targets.count(MM_INTO) == MATMULS_PER_BLOCK and targets.count(COPY_INTO) == 2, targets
+
+
+def test_inductor_runs_no_copy_of_a_blocks_gradient() -> None:
+    """In Inductor's code each block's flat gradient is allocated once, its matmuls write into it, and the
+    exchange reads it: no kernel copies the matmuls' results into it."""
+    import sys
+
+    sys.path.insert(0, "tests")
+    from test_codegen import _code
+
+    backward = _code("fsdp_compile")[1]
+    exchanges = re.findall(r"all_to_all_single\.default\((buf\d+),", backward)
+    assert len(exchanges) == LLAMA_TINY.n_layers + 1
+    for flat in exchanges[: LLAMA_TINY.n_layers]:
+        writes = re.findall(rf"mm_into\.default\(.*out=reinterpret_tensor\({flat},", backward)
+        assert len(writes) == MATMULS_PER_BLOCK, flat
+
+
+class _Odd(nn.Module):
+    """Parameters whose sizes leave gaps in the flat buffer (offsets aligned to 16 elements) and padding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Sequential(nn.Linear(9, 7), nn.Tanh(), nn.Linear(7, 9)) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.square().mean()
+
+
+def _odd_parity(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ref = _Odd()
+    torch.manual_seed(0)
+    model = fsdp_compile.shard(_Odd(), units=[nn.Sequential])
+    compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True)
+    x = torch.randn(4 * world_size, 9, generator=torch.Generator().manual_seed(1))
+    compiled(x.chunk(world_size)[rank]).backward()
+    ref(x).backward()
+    grads = full_grads(model)
+    for name, param in ref.named_parameters():
+        assert rel_error(grads[name], param.grad) < 1e-6, name
+
+
+def test_gaps_and_padding_are_zero_and_the_gradients_right() -> None:
+    spawn_ranks(_odd_parity, 2)
+
+
+def test_zero_into_zeroes_only_the_gaps() -> None:
+    out = torch.ones(10)
+    torch.ops.fsdp_compile.zero_into(out, [1, 7], [3, 10])
+    assert out.tolist() == [1, 0, 0, 1, 1, 1, 1, 0, 0, 0]
