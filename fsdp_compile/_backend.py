@@ -55,13 +55,13 @@ def _post_grad_passes(config: BackendConfig) -> PassPipeline:
         passes.append(
             ScheduleOverlap(prefetch=config.prefetch, max_inflight_grad_reductions=config.max_inflight_grad_reductions)
         )
+    passes.append(WriteGradientsInPlace())  # after the schedule: it moves reductions by their inputs' producers
     gathers, exchanges = config.all_gather == "copy_engine", config.grad_reduce == "copy_engine"
     passes.append(PlanMemory(  # NCCL's exchanges stay in Inductor's buffers: slotted, a 0.95B CUDA-graph run hung
         apply=config.memory_plan, symmetric=gathers or exchanges, cudagraphs=config.cudagraphs, exchanges=exchanges
     ))
     if gathers or exchanges:
         passes.append(LowerToSymmMem(all_gather=gathers, grad_reduce=exchanges))
-    passes.append(WriteGradientsInPlace())
     return PassPipeline(passes)
 
 

@@ -1,6 +1,7 @@
 """Write each unit's parameter gradients straight into its flat gradient.
 
-Precondition: a scheduled post-grad backward graph (after ``schedule_overlap`` and ``plan_memory``) in which
+Precondition: a scheduled post-grad backward graph (after ``schedule_overlap``, which places each reduction
+after its input's producer, and before ``plan_memory``, which then plans the buffer as written) in which
 a unit's flat gradient, the input of its gradient reduction, is the sum of ``slice_scatter(zeros, piece, 0,
 start, end)`` over its parameters' gradients: how AOTAutograd differentiates the views of the gathered
 parameters (``aten.full`` of zeros, each piece a flattened gradient).
@@ -141,8 +142,9 @@ def write_gradients_in_place(gm: fx.GraphModule, plan: InPlaceGradients) -> None
         writers = {piece: _product(piece) or piece for piece, _, _ in sources}
         first = min(writers.values(), key=position.__getitem__)
         with graph.inserting_before(first):
-            buffer = call_with_value(graph, torch.ops.aten.empty.memory_format, [value.numel()], dtype=value.dtype,
-                           device=value.device)
+            buffer = graph.call_function(torch.ops.aten.empty.memory_format, ([value.numel()],),
+                                         {"dtype": value.dtype, "device": value.device})
+            buffer.meta["val"] = value.new_empty(value.numel())  # the graph's kind of tensor (fake when compiling)
             bounds = [0] + [b for _, start, end in sources for b in (start, end)] + [value.numel()]
             gaps = [(s, e) for s, e in zip(bounds[::2], bounds[1::2]) if e > s]
             if gaps:
@@ -189,7 +191,8 @@ MM_INTO, COPY_INTO, ZERO_INTO = mm_into, copy_into, zero_into
 
 
 class WriteGradientsInPlace(GraphPass):
-    """The pass as part of Inductor's ``post_grad_custom_post_pass``, last (backward graphs hold the reductions)."""
+    """The pass as part of Inductor's ``post_grad_custom_post_pass``, between ``schedule_overlap`` and
+    ``plan_memory`` (only backward graphs hold reductions)."""
 
     name = "write_gradients_in_place"
     plan = staticmethod(plan_in_place_gradients)
