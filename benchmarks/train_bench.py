@@ -130,6 +130,7 @@ FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     "fsdp_compile_copy_engine": ({"all_gather": "copy_engine"}, {}),
     "fsdp_compile_copy_engine_cudagraphs": ({"all_gather": "copy_engine", "cudagraphs": True}, {}),
     "fsdp_compile_unplanned": ({"memory_plan": False}, {}),
+    "fsdp_compile_packed": ({"gradients_in_place": False}, {}),
     "fsdp_compile_copy_engine_unplanned": ({"all_gather": "copy_engine", "memory_plan": False}, {}),
     "fsdp_compile_nccl": ({"all_gather": "nccl", "grad_reduce": "nccl"}, {}),
     "fsdp_compile_nccl_cudagraphs": ({"all_gather": "nccl", "grad_reduce": "nccl", "cudagraphs": True}, {}),

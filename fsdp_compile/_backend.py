@@ -55,7 +55,8 @@ def _post_grad_passes(config: BackendConfig) -> PassPipeline:
         passes.append(
             ScheduleOverlap(prefetch=config.prefetch, max_inflight_grad_reductions=config.max_inflight_grad_reductions)
         )
-    passes.append(WriteGradientsInPlace())  # after the schedule: it moves reductions by their inputs' producers
+    if config.gradients_in_place:  # after the schedule: it moves reductions by their inputs' producers
+        passes.append(WriteGradientsInPlace())
     gathers, exchanges = config.all_gather == "copy_engine", config.grad_reduce == "copy_engine"
     passes.append(PlanMemory(  # NCCL's exchanges stay in Inductor's buffers: slotted, a 0.95B CUDA-graph run hung
         apply=config.memory_plan, symmetric=gathers or exchanges, cudagraphs=config.cudagraphs, exchanges=exchanges

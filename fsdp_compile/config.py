@@ -94,6 +94,12 @@ class BackendConfig:
     the planner from the live ranges, instead of a buffer of its own. ``False``: planned and logged only (for
     A/B measurements)."""
 
+    gradients_in_place: bool = True
+    """Write each unit's parameter gradients straight into the flat gradient its reduction sends
+    (``passes/write_gradients_in_place.py``): each weight gradient's matmul writes its slice, so no kernel
+    copies the unit's gradient into place. ``False``: every gradient in a buffer of its own and one copy into
+    the flat gradient (for A/B measurements)."""
+
     cudagraphs: bool = False
     """Run the forward and backward graphs as CUDA graphs (Inductor's ``triton.cudagraphs``): one replay
     per graph instead of one launch per kernel and collective. For steps the host cannot enqueue as fast
@@ -128,7 +134,7 @@ class BackendConfig:
         _check_choice("compiler", self.compiler, ("inductor", "aot_eager"))
         _check_choice("all_gather", self.all_gather, ("nccl", "copy_engine", "auto"))
         _check_choice("grad_reduce", self.grad_reduce, ("nccl", "copy_engine", "auto"))
-        for name in ("overlap", "memory_plan", "cudagraphs"):
+        for name in ("overlap", "memory_plan", "gradients_in_place", "cudagraphs"):
             _check_bool(name, getattr(self, name))
         _check_int("prefetch", self.prefetch, minimum=0, meaning="units issued ahead")
         _check_int(

@@ -300,7 +300,10 @@ def test_inductor_logs_the_plan_of_its_post_grad_graphs(fake_pg: None) -> None:
     step = plans[1]
     print(f"hybrid, Inductor: {_figures(step)}")
     assert len(step["buffers"]) == 3 * 7
-    assert step["lower_bound_bytes"] <= step["pool_bytes"] < step["maxpool_bytes"] <= step["per_collective_bytes"]
+    assert step["lower_bound_bytes"] <= step["pool_bytes"] < step["maxpool_bytes"]
+    assert step["pool_bytes"] <= step["per_collective_bytes"]
+    # No order between maxpool and per_collective: written in place, a unit's flat gradient is live from its
+    # first matmul to its reduction, so more gradient buffers overlap and maxpool counts more of the largest
 
 
 def test_write_into_slots_when_the_graph_starts_with_a_cast_it_removes() -> None:

@@ -45,6 +45,14 @@ def test_each_blocks_matmuls_write_into_the_flat_gradient_its_reduction_reads() 
         assert targets.count(MM_INTO) == MATMULS_PER_BLOCK and targets.count(COPY_INTO) == 2, targets
 
 
+def test_gradients_in_place_false_leaves_the_gradients_to_the_pack_copy() -> None:
+    options = {"compiler": "aot_eager", "gradients_in_place": False}
+    backward = compile_and_capture(mp=MP, backend_options=options)["backward"].graph
+    assert not [n for n in backward.nodes if n.target in (MM_INTO, COPY_INTO, ZERO_INTO)]
+    flats = [r.args[0] for r in backward.nodes if r.target in GRAD_REDUCTIONS]
+    assert flats and not [f for f in flats if f.target == torch.ops.aten.empty.memory_format]
+
+
 def test_inductor_runs_no_copy_of_a_blocks_gradient() -> None:
     """In Inductor's code each block's flat gradient is allocated once, its matmuls write into it, and the
     exchange reads it: no kernel copies the matmuls' results into it."""
