@@ -55,7 +55,7 @@ def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]
     systems = {r["system"] for r in data["results"]}
     assert systems == {"no_comm_bound", "no_comm_bound_cudagraphs", "fsdp2_eager", "fsdp2_compile", "simplefsdp", "fsdp_compile",
                        "fsdp_compile_no_overlap", "fsdp_compile_reduce_scatter", "fsdp_compile_cudagraphs",
-                       "fsdp_compile_unplanned"}
+                       "fsdp_compile_unplanned", "fsdp_compile_packed"}
     assert sorted(r["repeat"] for r in data["results"]) == [0] * len(systems) + [1] * len(systems)
     assert all(len(r["losses"]) == 3 and r["fwd_bwd_ms"] > 0 and r["opt_ms"] > 0 for r in data["results"])
     assert all((r["sharded_opt_ms"] is not None) == r["system"].startswith("no_comm_bound") for r in data["results"])
