@@ -43,9 +43,15 @@ def mm_into(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> None:
     torch.mm(a, b, out=out)
 
 
+MM_INTO = mm_into
+
+
 @step_ops.step_op("fsdp_compile::copy_into", "(Tensor src, *, Tensor(a!) out) -> ()", _no_output)
 def copy_into(src: torch.Tensor, *, out: torch.Tensor) -> None:
     out.copy_(src)
+
+
+COPY_INTO = copy_into
 
 
 @step_ops.step_op("fsdp_compile::zero_into", "(Tensor(a!) out, SymInt[] starts, SymInt[] ends) -> ()", _no_output)
@@ -53,6 +59,9 @@ def zero_into(out: torch.Tensor, starts: list[int], ends: list[int]) -> None:
     """Zero ``out[start:end]`` for each (start, end)."""
     for start, end in zip(starts, ends):
         out[start:end].zero_()
+
+
+ZERO_INTO = zero_into
 
 
 @dataclass(frozen=True)
@@ -139,8 +148,8 @@ def write_gradients_in_place(gm: fx.GraphModule, plan: InPlaceGradients) -> None
         flat = nodes[flat_name]
         value = flat.meta["val"]
         sources = [(nodes[name], start, end) for name, start, end in pieces]
-        writers = {piece: _product(piece) or piece for piece, _, _ in sources}
-        first = min(writers.values(), key=position.__getitem__)
+        products = {piece: _product(piece) for piece, _, _ in sources}
+        first = min((products[piece] or piece for piece, _, _ in sources), key=position.__getitem__)
         with graph.inserting_before(first):
             buffer = graph.call_function(torch.ops.aten.empty.memory_format, ([value.numel()],),
                                          {"dtype": value.dtype, "device": value.device})
@@ -150,9 +159,8 @@ def write_gradients_in_place(gm: fx.GraphModule, plan: InPlaceGradients) -> None
             if gaps:
                 graph.call_function(ZERO_INTO, (buffer, [s for s, _ in gaps], [e for _, e in gaps]))
         for piece, start, end in sources:
-            product = _product(piece)
-            anchor = product or piece
-            with graph.inserting_before(anchor if product is not None else anchor.next):
+            product = products[piece]
+            with graph.inserting_before(product if product is not None else piece.next):
                 out = call_with_value(graph, torch.ops.aten.slice.Tensor, buffer, 0, start, end)
                 if product is not None:
                     out = call_with_value(graph, torch.ops.aten.view.default, out, list(product.meta["val"].shape))
@@ -166,7 +174,7 @@ def write_gradients_in_place(gm: fx.GraphModule, plan: InPlaceGradients) -> None
         for node in sorted(set(dead), key=position.__getitem__, reverse=True):
             graph.erase_node(node)
         for piece, _, _ in sources:
-            product, node = _product(piece), piece
+            product, node = products[piece], piece
             while product is not None and node is not product:  # the views, then the matmul
                 node, view = node.args[0], node
                 graph.erase_node(view)
@@ -185,9 +193,6 @@ def _adds(node: fx.Node) -> list[fx.Node]:
         if isinstance(arg, fx.Node) and arg.target == ADD:
             found += [arg, *_adds(arg)]
     return found
-
-
-MM_INTO, COPY_INTO, ZERO_INTO = mm_into, copy_into, zero_into
 
 
 class WriteGradientsInPlace(GraphPass):
