@@ -1,6 +1,7 @@
 """``python -m fsdp_compile explain DIR``: what the compiler did, read from a dump folder (``FSDP_COMPILE_DUMP``,
 ``fsdp_compile/_dump.py``). It reads only text and JSON (never unpickles), prints the units, the collectives of
-each graph in order with their prefetch distances, the gradient reductions in flight, the memory plan's slots
+each graph in order with their prefetch distances, the gradient reductions in flight, which units' gradients are
+written in place, the memory plan's slots
 against the alternatives, the compiles (recompiles, graph breaks), and warnings; it writes ``timeline.svg``
 (the planned step: compute, all-gather and gradient lanes, one box per unit) and ``memory.svg`` (slots and live
 bytes over the step, the predicted peak) into DIR. ``--trace FILE`` (a profiler's Chrome trace) adds the
@@ -46,6 +47,8 @@ class GraphDump:
     """The last memory plan (after backward: the whole step's)."""
     route: dict[str, str] | None = None
     """The all-gather route ``"auto"`` chose, and why (``lowering/choose_route.py``); None for a fixed route."""
+    in_place: dict[str, Any] | None = None
+    """The backward's ``write_gradients_in_place`` plan (None when the pass was off)."""
 
     @property
     def fingerprint(self) -> str:
@@ -84,7 +87,7 @@ def _lines(path: Path) -> list[str]:
 
 def _graph(rank: int, folder: Path) -> GraphDump | None:
     units: list[dict[str, Any]] | None = None
-    schedules, memory, route = {}, None, None
+    schedules, memory, route, in_place = {}, None, None, None
     files = [(match, path) for path in folder.iterdir() if (match := _FILE.match(path.name)) and match[4] == "json"]
     for match, path in sorted(files, key=lambda f: int(f[0][1])):  # in the order logged: the last memory plan wins
         stage, name = match[2], match[3]
@@ -96,7 +99,9 @@ def _graph(rank: int, folder: Path) -> GraphDump | None:
             memory = json.loads(path.read_text())
         elif name == "all_gather_route":
             route = json.loads(path.read_text())
-    return None if units is None else GraphDump(rank, folder.name, units, schedules, memory, route)
+        elif name == "write_gradients_in_place_plan" and stage == "backward":
+            in_place = json.loads(path.read_text())
+    return None if units is None else GraphDump(rank, folder.name, units, schedules, memory, route, in_place)
 
 
 def _mib(nbytes: float) -> str:
@@ -132,6 +137,15 @@ def _schedule_lines(stage: str, plan: dict[str, Any]) -> list[str]:
         lines.append(f"  reduction  {j + 1:>3}  {unit_label(units.get(name, '?')):<24} {name}{then}")
     lines += [f"  unscheduled: {name} ({why})" for name, why in plan["unscheduled"]]
     return lines
+
+
+def _in_place_lines(plan: dict[str, Any], units: dict[str, str]) -> list[str]:
+    pieces = sum(len(p) for _, p in plan["units"])
+    text = (f"  gradients written in place: {len(plan['units'])} of {len(plan['units']) + len(plan['left'])} units "
+            f"({pieces} pieces, {plan['matmuls']} written by their matmul)")
+    if plan["left"]:
+        text += "; packed by a copy: " + ", ".join(unit_label(units.get(name, "?")) for name in plan["left"])
+    return [text]
 
 
 def _memory_lines(plan: dict[str, Any]) -> list[str]:
@@ -223,6 +237,8 @@ def report(dump: Dump, trace: Measured | None = None) -> str:
         for stage in ("forward", "backward"):
             if stage in g.schedules:
                 lines += _schedule_lines(stage, g.schedules[stage])
+        if g.in_place is not None:
+            lines += _in_place_lines(g.in_place, g.schedules.get("backward", {}).get("units", {}))
         if g.memory:
             lines += _memory_lines(g.memory)
     lines += ["", "compiles:", *(_compile_lines(dump.events.get(rank, [])) or ["  (none recorded)"])]

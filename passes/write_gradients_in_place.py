@@ -15,6 +15,9 @@ kernel copies every piece into the flat gradient (it writes only flexible layout
 straight into a concatenation): a read and a write of the unit's whole gradient, and both copies live at once.
 The ops write arguments in place, so Inductor lowers them after every read of the old value and keeps every
 later read after them (``_internals.step_ops``).
+What it costs: the flat gradient exists from the unit's first matmul on (before, its pieces piled up one by
+one until the pack): where a step's peak memory is the start of backward, up to a unit's gradient more at
+peak. The weight gradients' matmuls run as ``torch.mm``, outside Inductor's autotuning (``max-autotune``).
 """
 
 from __future__ import annotations
@@ -70,13 +73,17 @@ class InPlaceGradients:
     """(the flat gradient's node, its pieces: (node, start, end) in the flat gradient), per unit."""
     matmuls: int
     """Pieces that are a matrix product's result, written by the product itself."""
+    left: tuple[str, ...] = ()
+    """The reductions whose input is left as it was (not a concatenation of pieces: e.g. a tied parameter's two
+    gradients summed), which Inductor still packs by a copy."""
 
     def to_json(self) -> str:
         return plan_json(self)
 
     def summary(self) -> str:
         pieces = sum(len(p) for _, p in self.units)
-        return f"{len(self.units)} flat gradients written in place: {pieces} pieces, {self.matmuls} by their matmul"
+        return (f"{len(self.units)} flat gradients written in place: {pieces} pieces, {self.matmuls} by their matmul; "
+                f"{len(self.left)} left packed")
 
 
 def _scattered(node: fx.Node) -> tuple[fx.Node, int, int] | None:
@@ -121,23 +128,22 @@ def _product(piece: fx.Node) -> fx.Node | None:
 
 
 def plan_in_place_gradients(graph: fx.Graph) -> InPlaceGradients:
-    units, matmuls = [], 0
+    units, matmuls, left = [], 0, []
     nodes = {n.name: n for n in graph.nodes}
     for reduction in graph.nodes:
         if reduction.target not in GRAD_REDUCTIONS:
             continue
         flat = reduction.args[0]
         scatters = _pieces(flat) if isinstance(flat, fx.Node) and flat.op == "call_function" else None
-        if not scatters:
-            continue
-        placed = sorted((_scattered(s) for s in scatters), key=lambda p: p[1])  # type: ignore[index]
+        placed = sorted((_scattered(s) for s in scatters or ()), key=lambda p: p[1])  # type: ignore[index]
         pieces = tuple((piece.name, start, end) for piece, start, end in placed)  # type: ignore[misc]
         ranges = [p[1:] for p in pieces]
-        if any(end > start_next for (_, end), (start_next, _) in zip(ranges, ranges[1:])):
-            continue  # overlapping pieces: a sum, not a concatenation
+        if not pieces or any(end > start_next for (_, end), (start_next, _) in zip(ranges, ranges[1:])):
+            left.append(reduction.name)  # not a sum of pieces, or pieces that overlap: a sum, not a concatenation
+            continue
         units.append((flat.name, pieces))
         matmuls += sum(_product(nodes[name]) is not None for name, _, _ in pieces)
-    return InPlaceGradients(units=tuple(units), matmuls=matmuls)
+    return InPlaceGradients(units=tuple(units), matmuls=matmuls, left=tuple(left))
 
 
 def write_gradients_in_place(gm: fx.GraphModule, plan: InPlaceGradients) -> None:

@@ -98,6 +98,8 @@ def test_explain_prints_the_units_the_collectives_the_memory_plan_and_draws_the_
     assert "backward: 5 all-gathers (prefetch 1), 5 gradient reductions (at most 2 in flight)" in out
     assert re.search(r"all-gather +2 +layers\.0 +all_gather_into_tensor_1 +issued 1 unit\(s\) ahead", out), out
     assert re.search(r"reduction +1 +layers\.3 ", out), out
+    assert re.search(r"gradients written in place: 4 of 5 units \(\d+ pieces, 28 written by their matmul\); "
+                     r"packed by a copy: <root>", out), out
     assert re.search(r"memory plan over forward\+backward: \d+ slots, pool .*one buffer per collective .*max-pool", out)
     assert re.search(r"\[\d+/0\] forward: \d+ nodes, 0 graph breaks", out)
     assert "the first all-gather (<root>) has no compute before it" in out
