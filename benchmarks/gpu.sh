@@ -9,6 +9,8 @@
 #   OUT=/tmp/out TESTS=0 SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile_copy_engine" bash benchmarks/gpu.sh
 #   OUT=/tmp/out BENCH=0 TESTS=0 CONTENTION=1 bash benchmarks/gpu.sh   # gemm_contention.py only
 #   OUT=/tmp/out BENCH=0 TESTS=0 HOST_COST=1 bash benchmarks/gpu.sh    # ce_host_cost.py only (~30 s)
+#   OUT=/tmp/out TESTS=0 TOKENS=4096 TRACE=1 SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile_nccl" bash benchmarks/gpu.sh
+#     # + where each system's GPU and host time goes: $OUT/trace_summary_<tag>.txt
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=1024 REPEATS=3 bash benchmarks/gpu.sh   # 4 GPUs
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=4096 SYSTEMS="no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile fsdp2_compile_hsdp fsdp_compile_hsdp" bash benchmarks/gpu.sh   # HSDP 2 x 2 beside FSDP over 4
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=8192 TAG=8b SYSTEMS="fsdp2_compile fsdp_compile" BENCH_ARGS="--model 8.8b --checkpoint selective --seq-cap 8192" bash benchmarks/gpu.sh
@@ -77,9 +79,16 @@ if [ "${HOST_COST:-0}" = 1 ]; then
 fi
 tag=${TAG:-${NPROC}gpu_$(echo "$TOKENS" | tr ' ' '_')}
 if [ "${BENCH:-1}" = 1 ]; then
+  # TRACE=1: keep each system's profiler trace (host activity too) outside $OUT (too large to bring back) and
+  # write their summary (benchmarks/trace_summary.py: GPU time by kernel class, host ops) into $OUT.
+  traces=/tmp/fsdp_compile_traces_$tag
+  [ "${TRACE:-0}" = 1 ] && { rm -rf "$traces"; BENCH_ARGS="${BENCH_ARGS:-} --trace-dir $traces"; }
   torchrun --nproc_per_node "$NPROC" benchmarks/train_bench.py --tokens $TOKENS --repeats "$REPEATS" --systems $SYSTEMS \
     ${BENCH_ARGS:-} --out "$OUT/bench_$tag.json" >"$OUT/bench_$tag.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "train_bench exit $rc (1: a guard failed, see the log)"; status=1; }
+  if [ "${TRACE:-0}" = 1 ]; then
+    python3 benchmarks/trace_summary.py "$traces" >"$OUT/trace_summary_$tag.txt" 2>&1 || { echo "trace_summary failed"; status=1; }
+  fi
 fi
 
 echo "== summary =="
