@@ -44,10 +44,12 @@ CONFIGS = {
     "copy_engine": {**NCCL, "all_gather": "copy_engine"},
     "copy_engine_unplanned": {**NCCL, "all_gather": "copy_engine", "memory_plan": False},
     "copy_engine_exchange": {"all_gather": "copy_engine", "grad_reduce": "copy_engine"},
+    "packed": {**NCCL, "gradients_in_place": False},
 }
 """The overlap pass on (NCCL all-gathers, into slots), off, on without the memory plan, and on with
 copy-engine all-gathers into slots (symmetric slabs) or staged through the workspace (no plan), and with
-the gradient exchanges on copy engines too (pushed into the peers' slots)."""
+the gradient exchanges on copy engines too (pushed into the peers' slots); and on with each unit's gradient
+packed by a copy instead of written in place by its matmuls."""
 
 
 def _profile(rank: int, world_size: int, out: str) -> None:
@@ -143,6 +145,11 @@ def _profile(rank: int, world_size: int, out: str) -> None:
         assert memory[name]["peak_mib"] <= memory["unplanned"]["peak_mib"], memory
     allocated = {name: memory[name]["peak_mib"] - memory[name]["slabs_mib"] for name in memory}
     assert allocated["copy_engine_exchange"] <= allocated["copy_engine"], memory
+    # Written in place, a unit's flat gradient exists from its first matmul on (packed, from the pack on): where
+    # the peak is the start of backward, at most one block's bf16 gradient more (README, gradients_in_place).
+    with torch.device("meta"):
+        block_mib = sum(p.numel() for p in Block(MEDIUM).parameters()) * 2 / 2**20
+    assert memory["on"]["peak_mib"] <= memory["packed"]["peak_mib"] + block_mib, (memory, block_mib)
 
 
 @pytest.mark.gpu
