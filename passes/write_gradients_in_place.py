@@ -103,15 +103,21 @@ def _scattered(node: fx.Node) -> tuple[fx.Node, int, int] | None:
     return (piece, start, end) if dim == 0 and piece.meta["val"].dim() == 1 else None  # type: ignore[union-attr, return-value]
 
 
-def _pieces(node: fx.Node) -> list[fx.Node] | None:
-    """The scatters of pieces into zeros (``_scattered``) that the add-tree ``node`` sums (None if it is not
-    one)."""
+def _sum_of_scatters(node: fx.Node) -> tuple[list[fx.Node], list[fx.Node]] | None:
+    """The add nodes (``node`` among them, if it is one) and the scatters of pieces into zeros (``_scattered``)
+    of the add-tree ``node``, whose inner nodes have no other user; None if it is not one."""
     if _scattered(node) is not None:
-        return [node]
+        return [], [node]
     if node.target != ADD:
         return None
-    found = [_pieces(a) if isinstance(a, fx.Node) and len(a.users) == 1 else None for a in node.args]
-    return None if None in found else [p for part in found for p in part]  # type: ignore[union-attr]
+    adds, scatters = [node], []
+    for arg in node.args:
+        found = _sum_of_scatters(arg) if isinstance(arg, fx.Node) and len(arg.users) == 1 else None
+        if found is None:
+            return None
+        adds += found[0]
+        scatters += found[1]
+    return adds, scatters
 
 
 def _product(piece: fx.Node) -> fx.Node | None:
@@ -134,8 +140,8 @@ def plan_in_place_gradients(graph: fx.Graph) -> InPlaceGradients:
         if reduction.target not in GRAD_REDUCTIONS:
             continue
         flat = reduction.args[0]
-        scatters = _pieces(flat) if isinstance(flat, fx.Node) and flat.op == "call_function" else None
-        placed = sorted((_scattered(s) for s in scatters or ()), key=lambda p: p[1])  # type: ignore[index]
+        tree = _sum_of_scatters(flat) if isinstance(flat, fx.Node) and flat.op == "call_function" else None
+        placed = sorted((_scattered(s) for s in (tree[1] if tree else ())), key=lambda p: p[1])  # type: ignore[index]
         pieces = tuple((piece.name, start, end) for piece, start, end in placed)  # type: ignore[misc]
         ranges = [p[1:] for p in pieces]
         if not pieces or any(end > start_next for (_, end), (start_next, _) in zip(ranges, ranges[1:])):
@@ -173,11 +179,10 @@ def write_gradients_in_place(gm: fx.GraphModule, plan: InPlaceGradients) -> None
                     graph.call_function(MM_INTO, product.args, {"out": out})
                 else:
                     graph.call_function(COPY_INTO, (piece,), {"out": out})
-        scatters = _pieces(flat) or []
+        adds, scatters = _sum_of_scatters(flat)  # type: ignore[misc]  # the plan found it so
         zeros = {s.args[0] for s in scatters if s.target == SLICE_SCATTER}
         flat.replace_all_uses_with(buffer)
-        dead = [flat, *_adds(flat), *scatters]
-        for node in sorted(set(dead), key=position.__getitem__, reverse=True):
+        for node in sorted([*adds, *scatters], key=position.__getitem__, reverse=True):  # flat among them
             graph.erase_node(node)
         for piece, _, _ in sources:
             product, node = products[piece], piece
@@ -190,15 +195,6 @@ def write_gradients_in_place(gm: fx.GraphModule, plan: InPlaceGradients) -> None
             if not node.users:
                 graph.erase_node(node)
     lint_and_recompile(gm)
-
-
-def _adds(node: fx.Node) -> list[fx.Node]:
-    """The add nodes of the add-tree under ``node`` (``node`` excluded)."""
-    found = []
-    for arg in node.args:
-        if isinstance(arg, fx.Node) and arg.target == ADD:
-            found += [arg, *_adds(arg)]
-    return found
 
 
 class WriteGradientsInPlace(GraphPass):

@@ -129,6 +129,19 @@ def test_no_kernel_uses_a_slot_while_its_all_gather_is_in_flight(code: list[str]
         assert _uses_while_in_flight(graph) == []
 
 
+def test_each_blocks_weight_gradients_are_written_by_their_matmuls_into_what_its_exchange_sends(
+    code: list[str],
+) -> None:
+    """``write_gradients_in_place``: each block's flat gradient is allocated once, its matmuls write into it, and
+    the exchange reads it: no kernel copies the matmuls' results into it."""
+    backward = code[1]
+    exchanges = re.findall(r"all_to_all_single\.default\((buf\d+),", backward)
+    assert len(exchanges) == LLAMA_TINY.n_layers + 1
+    for flat in exchanges[: LLAMA_TINY.n_layers]:
+        writes = re.findall(rf"mm_into\.default\(.*out=reinterpret_tensor\({flat},", backward)
+        assert len(writes) == 7, flat  # wq, wk, wv, wo, w1, w2, w3
+
+
 @pytest.mark.slow
 def test_each_slotted_exchange_keeps_its_gradient_until_it_is_waited_for_and_then_summed() -> None:
     """With the exchanges in slots (what ``grad_reduce="copy_engine"`` applies; its copy engines need GPUs, so
