@@ -9,8 +9,12 @@
 #   OUT=/tmp/out TESTS=0 SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile_copy_engine" bash benchmarks/gpu.sh
 #   OUT=/tmp/out BENCH=0 TESTS=0 CONTENTION=1 bash benchmarks/gpu.sh   # gemm_contention.py only
 #   OUT=/tmp/out BENCH=0 TESTS=0 HOST_COST=1 bash benchmarks/gpu.sh    # ce_host_cost.py only (~30 s)
+#   OUT=/tmp/out BENCH=0 TESTS=0 NCCL_BUFFERS=1 bash benchmarks/gpu.sh # nccl_buffers.py only (~15 s)
 #   OUT=/tmp/out TESTS=0 TOKENS=4096 TRACE=1 SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile_nccl" bash benchmarks/gpu.sh
-#     # + where each system's GPU and host time goes: $OUT/trace_summary_<tag>.txt
+#     # + where each system's GPU and host time goes: $OUT/trace_summary_<tag>.txt. Tracing host activity slows
+#     # the host: the traced steps (and the table's exposed-comm / compute-slowdown columns, read off them) are
+#     # host-bound where a step's host time is near its GPU time (session 19: GPU spans 71-76 ms a traced step
+#     # against 55-61 ms untraced; exposed 16.9 ms traced vs 6.9 untraced, 4 GPUs). Step ms are untraced.
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=1024 REPEATS=3 bash benchmarks/gpu.sh   # 4 GPUs
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=4096 SYSTEMS="no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile fsdp2_compile_hsdp fsdp_compile_hsdp" bash benchmarks/gpu.sh   # HSDP 2 x 2 beside FSDP over 4
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=8192 TAG=8b SYSTEMS="fsdp2_compile fsdp_compile" BENCH_ARGS="--model 8.8b --checkpoint selective --seq-cap 8192" bash benchmarks/gpu.sh
@@ -77,6 +81,11 @@ if [ "${HOST_COST:-0}" = 1 ]; then
     >"$OUT/ce_host_cost_$NPROC.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "ce_host_cost exit $rc"; status=1; }
 fi
+if [ "${NCCL_BUFFERS:-0}" = 1 ]; then
+  timeout 120 torchrun --nproc_per_node "$NPROC" benchmarks/nccl_buffers.py --json "$OUT/nccl_buffers_$NPROC.json" \
+    >"$OUT/nccl_buffers_$NPROC.log" 2>&1
+  rc=$?; [ $rc = 0 ] || { echo "nccl_buffers exit $rc"; status=1; }
+fi
 tag=${TAG:-${NPROC}gpu_$(echo "$TOKENS" | tr ' ' '_')}
 if [ "${BENCH:-1}" = 1 ]; then
   # TRACE=1: keep each system's profiler trace (host activity too) outside $OUT (too large to bring back) and
@@ -95,5 +104,6 @@ echo "== summary =="
 [ -f "$OUT/pytest_gpu.log" ] && grep -E "^overlap o|passed|failed|skipped|SKIPPED|rror" "$OUT/pytest_gpu.log" | tail -n 8
 [ -f "$OUT/contention_$NPROC.log" ] && grep -E "alone|^\| |rror" "$OUT/contention_$NPROC.log" | tail -n 60
 [ -f "$OUT/ce_host_cost_$NPROC.log" ] && grep -E "^\| |rror" "$OUT/ce_host_cost_$NPROC.log"
+[ -f "$OUT/nccl_buffers_$NPROC.log" ] && grep -E "^\| |ranks|rror" "$OUT/nccl_buffers_$NPROC.log"
 [ -f "$OUT/bench_$tag.log" ] && { grep -E "^\||^## |guard|^[0-9]+ tokens/GPU|^step ms" "$OUT/bench_$tag.log" || tail -n 60 "$OUT/bench_$tag.log"; }
 exit $status

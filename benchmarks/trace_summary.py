@@ -4,7 +4,9 @@
 
 Per trace (one system, point and rank), per step: GPU time by kernel class (matmul, attention, NCCL
 all-gather / reduce-scatter, other) and how much of each class ran beside communication (compute slowed
-down by communication shows as more time than in the bound's trace), the largest kernels, and the
+down by communication shows as more time than in the bound's trace), the largest kernels, where the exposed
+communication is (the collectives with the most time beside no compute, at their offset from the trace's
+first kernel) and the longest gaps with no kernel at all (launch-bound stretches, host waits), and the
 largest host-side ops (inclusive time).
 """
 
@@ -65,16 +67,53 @@ def summarize(path: str, steps: int, top: int) -> Iterator[str]:
     yield "   top kernels (ms/step, count/step):"
     for name, (dur, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         yield f"     {dur / 1e3 / steps:7.2f} {int(n) // steps:5d}  {name}"
+    compute = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_communication(e["name"])])
+    exposed = [(length(intersect([(e["ts"], e["ts"] + e["dur"])], _gaps(compute))), e) for e in kernels
+               if is_communication(e["name"])]
+    yield "   most exposed collectives (ms exposed / ms long, at ms from the first kernel):"
+    for alone, e in sorted(exposed, key=lambda x: -x[0])[:top]:
+        yield f"     {alone / 1e3:6.2f} / {e['dur'] / 1e3:6.2f} at {(e['ts'] - first) / 1e3:7.2f}  {e['name'][:70]}"
+    busy = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels])
+    idle = sorted(((b[0] - a[1], a[1]) for a, b in zip(busy, busy[1:])), reverse=True)
+    yield "   longest gaps with no kernel (ms, at ms from the first kernel): " + ", ".join(
+        f"{gap / 1e3:.2f} at {(at - first) / 1e3:.2f}" for gap, at in idle[:top])
     host = [e for e in events if e.get("cat") in ("cpu_op", "cuda_runtime", "user_annotation", "python_function")]
-    host_by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
-    for e in host:
+    own = _self_times(host)
+    host_by_name: dict[str, list[float]] = defaultdict(lambda: [0.0, 0, 0.0])
+    for e, alone in zip(host, own):
         named = host_by_name[f"{e.get('cat')}:{e['name'][:70]}"]
         named[0] += e["dur"]
         named[1] += 1
-    if host_by_name:
-        yield "   host ops, inclusive (ms/step, count/step):"
-        for name, (dur, n) in sorted(host_by_name.items(), key=lambda kv: -kv[1][0])[:top]:
-            yield f"     {dur / 1e3 / steps:7.2f} {int(n) // steps:5d}  {name}"
+        named[2] += alone
+    for title, key in (("inclusive", 0), ("self: less the ops they call", 2)):
+        if host_by_name:
+            yield f"   host ops, {title} (ms/step, count/step):"
+            for name, times in sorted(host_by_name.items(), key=lambda kv: -kv[1][key])[:top]:
+                yield f"     {times[key] / 1e3 / steps:7.2f} {int(times[1]) // steps:5d}  {name}"
+
+
+def _self_times(events: list[dict]) -> list[float]:
+    """Each host event's duration less that of the events nested directly inside it on its thread."""
+    own = [float(e["dur"]) for e in events]
+    by_thread: dict[tuple, list[int]] = defaultdict(list)
+    for i, e in enumerate(events):
+        by_thread[(e.get("pid"), e.get("tid"))].append(i)
+    for indices in by_thread.values():
+        stack: list[int] = []
+        for i in sorted(indices, key=lambda i: (events[i]["ts"], -events[i]["dur"])):
+            start = events[i]["ts"]
+            while stack and events[stack[-1]]["ts"] + events[stack[-1]]["dur"] <= start:
+                stack.pop()
+            if stack:
+                own[stack[-1]] -= events[i]["dur"]
+            stack.append(i)
+    return own
+
+
+def _gaps(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The complement of sorted disjoint ``intervals`` (unbounded at both ends)."""
+    edges = [-float("inf")] + [x for interval in intervals for x in interval] + [float("inf")]
+    return [(edges[i], edges[i + 1]) for i in range(0, len(edges), 2) if edges[i] < edges[i + 1]]
 
 
 def main() -> None:

@@ -49,7 +49,9 @@ each system); host time to enqueue a step (close to the step time: launch-bound)
 communication (time NCCL kernels or peer-to-peer copies run), exposed communication (of that, the time no
 other kernel runs), compute (other kernels and copies), GPU idle time, and the compute slowdown
 ((forward+backward - exposed communication) / the bound's forward+backward); compile time (first step
-minus the median). ``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them).
+minus the median). ``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them); it traces
+host activity too, which slows the host, so the profile columns then come from slower, possibly host-bound
+steps (the step times do not: they are timed untraced).
 ``--stall-dump-s S`` prints every thread's Python stack to stderr when one system's run takes longer than S
 seconds (a hang shows where each rank waits; the run goes on).
 
@@ -139,6 +141,9 @@ FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
         {"all_gather": "copy_engine", "grad_reduce": "copy_engine", "cudagraphs": True}, {}
     ),
     "fsdp_compile_nccl_gather_copy_engine_exchange": ({"all_gather": "nccl", "grad_reduce": "copy_engine"}, {}),
+    "fsdp_compile_nccl_gather_copy_engine_exchange_cudagraphs": (
+        {"all_gather": "nccl", "grad_reduce": "copy_engine", "cudagraphs": True}, {}
+    ),
     "fsdp_compile_keep_gathered": ({}, {"keep_gathered": True}),
     "fsdp_compile_keep_gathered_cudagraphs": ({"cudagraphs": True}, {"keep_gathered": True}),
 }

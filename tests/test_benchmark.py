@@ -194,3 +194,33 @@ def test_the_scaling_model_checks_every_default_path_result_file() -> None:
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "CHECK: fsdp_compile" in proc.stdout and "| 0.95B run 22 | 2 | 4096 | 3 |" in proc.stdout
+
+
+def test_trace_summary_says_where_exposed_communication_and_host_time_go(tmp_path: "os.PathLike[str]") -> None:
+    """trace_summary.py on a made-up trace of one step: a matmul beside the first half of an all-gather, a gap,
+    a reduce-scatter alone; a host op calling another, which launches a kernel."""
+    import gzip
+
+    from trace_summary import summarize
+
+    def event(cat: str, name: str, ts: float, dur: float) -> dict:
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": 1}
+
+    trace = [event("kernel", "nvjet_gemm", 0, 1000), event("kernel", "ncclDevKernel_AllGather_RING_LL", 500, 1000),
+             event("kernel", "ncclDevKernel_ReduceScatter_Sum_f32", 3000, 400),
+             event("cpu_op", "CompiledFunction", 0, 900), event("cpu_op", "aten::mm", 100, 300),
+             event("cuda_runtime", "cudaLaunchKernel", 150, 50)]
+    path = os.path.join(tmp_path, "x_rank0.json.gz")
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": trace}, f)
+    lines = list(summarize(path, steps=1, top=3))
+    assert lines[0] == "== x_rank0.json.gz: GPU span 3.40 ms/step, 3 kernels/step"
+    heading = "   most exposed collectives (ms exposed / ms long, at ms from the first kernel):"
+    exposed = lines[lines.index(heading) + 1:]
+    assert exposed[0].split() == ["0.50", "/", "1.00", "at", "0.50", "ncclDevKernel_AllGather_RING_LL"], exposed
+    assert exposed[1].split()[:5] == ["0.40", "/", "0.40", "at", "3.00"], exposed
+    assert "longest gaps with no kernel (ms, at ms from the first kernel): 1.50 at 1.50" in exposed[2], exposed
+    own = lines[lines.index("   host ops, self: less the ops they call (ms/step, count/step):") + 1:]
+    assert [line.split() for line in own] == [
+        ["0.60", "1", "cpu_op:CompiledFunction"], ["0.25", "1", "cpu_op:aten::mm"],
+        ["0.05", "1", "cuda_runtime:cudaLaunchKernel"]], own

@@ -386,10 +386,11 @@ def test_parity_nccl_inductor(dtype: torch.dtype, param_dtype: torch.dtype, opti
      (None, {"all_gather": "auto"}),
      (None, {"all_gather": "copy_engine", "grad_reduce": "copy_engine", **BF16_FP32_REDUCE}),
      (None, {"all_gather": "copy_engine", "grad_reduce": "copy_engine", "cudagraphs": True, **BF16_FP32_REDUCE}),
-     ((2, 2), {"grad_reduce": "auto", **BF16_FP32_REDUCE})],
+     ((2, 2), {"grad_reduce": "auto", **BF16_FP32_REDUCE}),
+     (None, {"all_gather": "nccl", "grad_reduce": "copy_engine", **BF16_FP32_REDUCE})],
     ids=["fsdp-4gpus", "fsdp-copy_engine-4gpus", "hsdp-2x2-4gpus", "hsdp-2x2-copy_engine-4gpus", "fsdp-auto-4gpus",
          "fsdp-copy_engine-exchange-bf16-4gpus", "fsdp-copy_engine-exchange-cudagraphs-bf16-4gpus",
-         "hsdp-2x2-exchange-auto-bf16-4gpus"],
+         "hsdp-2x2-exchange-auto-bf16-4gpus", "fsdp-nccl-gather-copy_engine-exchange-bf16-4gpus"],
 )
 def test_parity_nccl_four_gpus(mesh: tuple[int, int] | None, options: dict) -> None:
     case = Case("inductor", device="cuda", mesh=mesh, **{"dtype": torch.float64, "param_dtype": torch.float64, **options})
