@@ -4,10 +4,10 @@ all-gathers are memcpys, not NCCL kernels, and they too run beside compute: one 
 into its slot (the memory plan applied), no staging copy; with ``grad_reduce="copy_engine"`` too, no NCCL
 kernel at all, one push per peer per gradient exchange. Memory: the slabs hold what the plan asked for
 (symmetric bytes measured by the driver), and the peak is no higher than with NCCL all-gathers into
-buffers of their own. And in a fresh process per route, the GPU memory a step takes as the driver sees it
-(the allocator's peak plus what lies outside it: NCCL's own buffers, symmetric slabs) is lower with both
-directions on copy engines than with NCCL's. (How much time that saves is the benchmark's business: tests
-assert behaviour, not timings.)"""
+buffers of their own. And in a fresh process per route, the GPU memory a step takes (the allocator's peak
+plus what lies outside the allocator, from the driver's count: NCCL's own buffers, symmetric slabs) is lower
+with both directions on copy engines than with NCCL's. (How much time that saves is the benchmark's
+business: tests assert behaviour, not timings.)"""
 
 from __future__ import annotations
 
@@ -202,7 +202,8 @@ def test_copy_engine_routes_take_less_gpu_memory_than_nccl(world_size: int, tmp_
     peaks higher in the allocator's count plus slabs (the profile test's ``copy_engine_exchange``: +98 MiB over
     NCCL's with this model on 2 ranks); but NCCL's all-to-alls take buffers of their own outside the allocator
     at their first call (measured on H200s, NCCL 2.28.9: 446 MiB over 2 ranks, 1214 over 4), which the
-    copy-engine exchange never makes. Counted as the GPU sees it, the copy-engine routes take less."""
+    copy-engine exchange never makes. Counting those, the copy-engine routes take less. (The allocator's peak, not
+    what it reserves: fragmentation is the allocator's business, not the route's.)"""
     if torch.cuda.device_count() < world_size:
         pytest.skip(f"needs {world_size} CUDA GPUs (NCCL)")
     memory = {}
