@@ -18,12 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-
-def _outside_allocator_mib() -> float:
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    return (total - free - torch.cuda.memory_reserved()) / 2**20
+from fsdp_compile.testing.profile import outside_allocator_mib
 
 
 def main() -> None:
@@ -42,16 +37,16 @@ def main() -> None:
         "reduce_scatter": lambda: dist.reduce_scatter_tensor(torch.empty_like(part), full),
         "all_to_all": lambda: dist.all_to_all_single(torch.empty_like(full), full),
     }
-    rows = [("CUDA context", _outside_allocator_mib())]
+    rows = [("CUDA context", outside_allocator_mib())]
     dist.all_reduce(torch.ones(1, device="cuda"))
-    rows.append(("communicator (an all-reduce of 4 B)", _outside_allocator_mib()))
+    rows.append(("communicator (an all-reduce of 4 B)", outside_allocator_mib()))
     for name, run in collectives.items():
         run()
-        rows.append((f"first {name} of {args.mib:g} MiB", _outside_allocator_mib()))
+        rows.append((f"first {name} of {args.mib:g} MiB", outside_allocator_mib()))
     for _ in range(3):
         for run in collectives.values():
             run()
-    rows.append(("three more of each", _outside_allocator_mib()))
+    rows.append(("three more of each", outside_allocator_mib()))
     if dist.get_rank() == 0:
         nccl = ".".join(map(str, torch.cuda.nccl.version()))
         print(f"{world} ranks, {torch.cuda.get_device_name()}, torch {torch.__version__}, NCCL {nccl}")

@@ -29,6 +29,7 @@ from fsdp_compile.testing.profile import (
     intersect,
     is_communication,
     length,
+    outside_allocator_mib,
     trace_steps,
     union,
 )
@@ -56,26 +57,28 @@ the gradient exchanges on copy engines too (pushed into the peers' slots); and o
 packed by a copy instead of written in place by its matmuls."""
 
 
+def _compiled_model(options: dict) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The test's model, sharded by block (bf16 parameters, fp32 reduction) and compiled with the backend's
+    ``options``, and a batch of tokens (inputs and targets: ``tokens[:, :-1]``, ``tokens[:, 1:]``)."""
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = Llama(MEDIUM)
+    mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fsdp_compile.shard(model, units=[Block], mp=mp)
+    compiled = torch.compile(model, backend=fsdp_compile.backend(**options), fullgraph=True)
+    return compiled, torch.randint(0, MEDIUM.vocab_size, (BATCH, MEDIUM.max_seq_len + 1), device="cuda")
+
+
 def _profile(rank: int, world_size: int, out: str) -> None:
     results, all_gather_kernels, nccl_kernels, copies, memory = {}, {}, {}, {}, {}
     symmetric_mib = 0.0  # the group's symmetric slab, made by an earlier configuration: a later one grows it
     for name, options in CONFIGS.items():
         torch._dynamo.reset()
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = Llama(MEDIUM)
-        mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        fsdp_compile.shard(model, units=[Block], mp=mp)
-        compiled = torch.compile(model, backend=fsdp_compile.backend(**options), fullgraph=True)
-        tokens = torch.randint(0, MEDIUM.vocab_size, (BATCH, MEDIUM.max_seq_len + 1), device="cuda")
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        free, reserved = torch.cuda.mem_get_info()[0], torch.cuda.memory_reserved()
+        compiled, tokens = _compiled_model(options)
+        before = outside_allocator_mib()
         with memory_plans() as plans:
             compiled(tokens[:, :-1], tokens[:, 1:]).backward()  # compiles: the passes run, the slabs are made
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        outside_allocator = free - torch.cuda.mem_get_info()[0] - (torch.cuda.memory_reserved() - reserved)
+        outside_allocator = outside_allocator_mib() - before
         for _ in range(2):
             compiled(tokens[:, :-1], tokens[:, 1:]).backward()
         torch.cuda.synchronize()
@@ -92,7 +95,7 @@ def _profile(rank: int, world_size: int, out: str) -> None:
             "slabs_mib": slabs_mib,
             # growing the slab frees the old one (no CUDA graph holds it): the driver sees the difference
             "new_symmetric_mib": max(0.0, slabs_mib - symmetric_mib) if symmetric else 0.0,
-            "outside_allocator_mib": outside_allocator / 2**20,
+            "outside_allocator_mib": outside_allocator,
             "pool_mib": [p["pool_bytes"] / 2**20 for p in plans],
         }
         symmetric_mib = max(symmetric_mib, slabs_mib) if symmetric else symmetric_mib
@@ -158,31 +161,16 @@ def _profile(rank: int, world_size: int, out: str) -> None:
     assert memory["on"]["peak_mib"] <= memory["packed"]["peak_mib"] + block_mib, (memory, block_mib)
 
 
-def _outside_allocator_mib() -> float:
-    """GPU memory in use that the caching allocator does not hold: the CUDA context, NCCL's buffers, symmetric
-    memory."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    return (total - free - torch.cuda.memory_reserved()) / 2**20
-
-
 def _device_memory(rank: int, world_size: int, route: str, out: str) -> None:
     """One route's step in a process of its own: its peak as the allocator sees it (slabs included) and the
     GPU memory it took outside the allocator, from after NCCL's communicator is up (any job has it: a loss
     all-reduce) to after the steps (NCCL's buffers for the collectives it uses, symmetric slabs)."""
     dist.all_reduce(torch.ones(1, device="cuda"))
-    baseline = _outside_allocator_mib()
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = Llama(MEDIUM)
-    mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-    fsdp_compile.shard(model, units=[Block], mp=mp)
-    compiled = torch.compile(model, backend=fsdp_compile.backend(**ROUTES[route]), fullgraph=True)
-    tokens = torch.randint(0, MEDIUM.vocab_size, (BATCH, MEDIUM.max_seq_len + 1), device="cuda")
+    baseline = outside_allocator_mib()
+    compiled, tokens = _compiled_model(ROUTES[route])
     for _ in range(STEPS):
         compiled(tokens[:, :-1], tokens[:, 1:]).backward()
-    outside = _outside_allocator_mib() - baseline
+    outside = outside_allocator_mib() - baseline
     allocated = torch.cuda.max_memory_allocated() / 2**20
     symmetric = fsdp_compile.slab_bytes(symmetric=True) / 2**20  # outside the allocator: counted in ``outside``
     result = {"allocated_peak_mib": allocated, "symmetric_slabs_mib": symmetric, "outside_allocator_mib": outside,

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from fsdp_compile._intervals import intersect, is_communication, length, union
 
-__all__ = ["communication_overlap", "gpu_activity", "intersect", "is_communication", "length", "trace_steps", "union"]
+__all__ = ["communication_overlap", "gpu_activity", "intersect", "is_communication", "length", "outside_allocator_mib",
+           "trace_steps", "union"]
 
 
 def gpu_activity(trace_path: str) -> list[tuple[str, float, float]]:
@@ -22,6 +23,15 @@ def gpu_activity(trace_path: str) -> list[tuple[str, float, float]]:
         for e in events
         if e.get("ph") == "X" and e.get("cat") in ("kernel", "gpu_memcpy")
     ]
+
+
+def outside_allocator_mib() -> float:
+    """MiB of GPU memory in use (the driver's count) that the caching allocator does not hold: the CUDA context,
+    NCCL's own buffers, symmetric memory. After the GPU's work so far, with the allocator's free blocks returned."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return (total - free - torch.cuda.memory_reserved()) / 2**20
 
 
 def communication_overlap(trace_path: str, steps: int = 1) -> dict[str, float]:
