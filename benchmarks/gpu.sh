@@ -59,10 +59,13 @@ gpu_tests() {  # gpu_tests LOG EXTRA_K [FILES...]: the GPU tests (pytest -k "$PY
 if [ "${TESTS:-1}" = 1 ]; then
   if [ "$(nvidia-smi -L | wc -l)" -ge 4 ]; then
     # Four GPUs: the 2-GPU tests on two pairs side by side (split by file, about even), then the 4-GPU ones.
-    CUDA_VISIBLE_DEVICES=0,1 gpu_tests "$OUT/pytest_gpu_a.log" "not 4gpus" tests/test_parity.py tests/test_gpu_overlap.py &
+    # (the memory test, ~75 s, in pair b: pair a took ~475 s without it, session 19)
+    memory=tests/test_gpu_overlap.py::test_copy_engine_exchange_takes_less_gpu_memory_than_nccl
+    CUDA_VISIBLE_DEVICES=0,1 gpu_tests "$OUT/pytest_gpu_a.log" "not 4gpus and not less_gpu_memory" tests/test_parity.py \
+      tests/test_gpu_overlap.py &
     a=$!
     CUDA_VISIBLE_DEVICES=2,3 gpu_tests "$OUT/pytest_gpu_b.log" "not 4gpus" tests/test_gpu_exit.py tests/test_lowering.py \
-      tests/test_rank_consistency.py tests/test_recompiles.py || status=1
+      tests/test_rank_consistency.py tests/test_recompiles.py "$memory" || status=1
     wait $a || status=1
     gpu_tests "$OUT/pytest_gpu_4.log" "4gpus" tests || status=1
     touch "$OUT/pytest_gpu_8.log"

@@ -144,7 +144,7 @@ def _profile(rank: int, world_size: int, out: str) -> None:
     # into buffers of their own. The exchanges' slots hold slab memory for the whole step where Inductor
     # frees their buffers between exchanges: with them the caching allocator peaks no higher, but the total
     # (slab included) is not below NCCL's on this model. NCCL's all-to-alls have buffers of their own outside
-    # the allocator, which this count leaves out: test_copy_engine_routes_take_less_gpu_memory_than_nccl counts
+    # the allocator, which this count leaves out: test_copy_engine_exchange_takes_less_gpu_memory_than_nccl counts
     # them.
     for name in ("copy_engine", "copy_engine_exchange"):
         slabs, new, driver = (memory[name][k] for k in ("slabs_mib", "new_symmetric_mib", "outside_allocator_mib"))
@@ -185,7 +185,7 @@ ROUTES = {"nccl": NCCL, "copy_engine": {"all_gather": "copy_engine", "grad_reduc
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("world_size", [2, 4], ids=["2gpus", "4gpus"])
-def test_copy_engine_routes_take_less_gpu_memory_than_nccl(world_size: int, tmp_path: "os.PathLike[str]") -> None:
+def test_copy_engine_exchange_takes_less_gpu_memory_than_nccl(world_size: int, tmp_path: "os.PathLike[str]") -> None:
     """The copy-engine routes' symmetric slabs lie outside the caching allocator and persist, so their step
     peaks higher in the allocator's count plus slabs (the profile test's ``copy_engine_exchange``: +98 MiB over
     NCCL's with this model on 2 ranks); but NCCL's all-to-alls take buffers of their own outside the allocator
