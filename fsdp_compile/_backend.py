@@ -26,7 +26,7 @@ from fsdp_compile._apply_shard import unsharded_parameter_message
 from fsdp_compile._describe import units_json
 from fsdp_compile._internals import PassPipeline, counters, inductor_config, lifetime
 from fsdp_compile.config import BackendConfig
-from fsdp_compile.lowering.choose_route import RouteChoice, choose_all_gather
+from fsdp_compile.lowering.choose_route import RouteChoice, choose_route
 from fsdp_compile.lowering.lower_to_symm_mem import (
     LowerToSymmMem,
     reserve_workspace,
@@ -150,17 +150,16 @@ def _choose_routes(gm: fx.GraphModule, plan: CollectivesPlan, config: BackendCon
             "is their param_dtype, or MixedPrecision(exchange_grads_in_param_dtype=False)): use grad_reduce='nccl' "
             "or 'auto' for them"
         )
-    if "auto" not in (config.all_gather, config.grad_reduce):
-        return config
-    choice = choose_all_gather({g.world_size for g, _ in gathers}, {shard.device for _, shard in gathers})
-    debug.artifact("all_gather_route", choice.to_json, encoding="json")
+    exchanges = [(g, shard) for g, shard in gathers if g.grad_reduction == "all_to_all"]
     routes = {}
-    for option in ("all_gather", "grad_reduce"):
+    for option, collectives in (("all_gather", gathers), ("grad_reduce", exchanges)):
         if getattr(config, option) != "auto":
             continue
-        chosen = choice
-        if option == "grad_reduce" and choice.route == "copy_engine" and not config.memory_plan:
+        chosen = choose_route(option, {g.world_size for g, _ in collectives},
+                              {shard.device for _, shard in collectives}, config.cudagraphs)
+        if option == "grad_reduce" and chosen.route == "copy_engine" and not config.memory_plan:
             chosen = RouteChoice("nccl", "memory_plan=False: no planned slots to push the gradients into")
+        debug.artifact(f"{option}_route", chosen.to_json, encoding="json")
         routes[option] = chosen.route
         counters["fsdp_compile"][f"{option}_auto_{chosen.route}"] += 1
         log.info("fsdp_compile: %s='auto' chose %r: %s", option, chosen.route, chosen.reason)

@@ -85,8 +85,10 @@ class BackendConfig:
     slot of the memory plan (peer-to-peer memcpys into symmetric memory, on the copy engines), so that no
     collective holds SMs in backward; needs ``memory_plan=True`` and what ``all_gather="copy_engine"`` needs,
     and refuses units that reduce-scatter instead (``reduce_dtype == param_dtype``, or the exchange switched
-    off). ``"auto"`` (the default): the route ``all_gather="auto"`` chooses, for the exchanges (reduce-scatters
-    stay on NCCL; NCCL without the memory plan)."""
+    off). ``"auto"`` (the default): per compiled graph, by its groups' size, copy engines over 2 ranks on one
+    host, and over 4 without CUDA graphs (where the all-gathers stay on NCCL), NCCL otherwise and without the
+    memory plan (``lowering/choose_route.py``; reduce-scatters stay on NCCL); logged like ``all_gather``'s, the
+    artifact ``fsdp_compile_grad_reduce_route``."""
 
     memory_plan: bool = True
     """Apply the memory plan (``passes/plan_memory.py``): every all-gather whose output does not outlive its

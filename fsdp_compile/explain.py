@@ -45,8 +45,9 @@ class GraphDump:
     """Stage (``forward``, ``backward``) -> the ``schedule_overlap`` plan."""
     memory: dict[str, Any] | None = None
     """The last memory plan (after backward: the whole step's)."""
-    route: dict[str, str] | None = None
-    """The all-gather route ``"auto"`` chose, and why (``lowering/choose_route.py``); None for a fixed route."""
+    routes: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Option (``all_gather``, ``grad_reduce``) -> the route ``"auto"`` chose for it, and why
+    (``lowering/choose_route.py``); a fixed route is not listed."""
     in_place: dict[str, Any] | None = None
     """The backward's ``write_gradients_in_place`` plan (None when the pass was off)."""
 
@@ -87,7 +88,7 @@ def _lines(path: Path) -> list[str]:
 
 def _graph(rank: int, folder: Path) -> GraphDump | None:
     units: list[dict[str, Any]] | None = None
-    schedules, memory, route, in_place = {}, None, None, None
+    schedules, memory, routes, in_place = {}, None, {}, None
     files = [(match, path) for path in folder.iterdir() if (match := _FILE.match(path.name)) and match[4] == "json"]
     for match, path in sorted(files, key=lambda f: int(f[0][1])):  # in the order logged: the last memory plan wins
         stage, name = match[2], match[3]
@@ -97,11 +98,11 @@ def _graph(rank: int, folder: Path) -> GraphDump | None:
             schedules[stage] = json.loads(path.read_text())
         elif name == "memory_plan":
             memory = json.loads(path.read_text())
-        elif name == "all_gather_route":
-            route = json.loads(path.read_text())
+        elif name in ("all_gather_route", "grad_reduce_route"):
+            routes[name.removesuffix("_route")] = json.loads(path.read_text())
         elif name == "write_gradients_in_place_plan" and stage == "backward":
             in_place = json.loads(path.read_text())
-    return None if units is None else GraphDump(rank, folder.name, units, schedules, memory, route, in_place)
+    return None if units is None else GraphDump(rank, folder.name, units, schedules, memory, routes, in_place)
 
 
 def _mib(nbytes: float) -> str:
@@ -232,8 +233,9 @@ def report(dump: Dump, trace: Measured | None = None) -> str:
         hsdp = f" x {replicas} replicas" if replicas > 1 else ""
         lines += ["", f"{g.name}: {len(g.units)} units over {world} ranks{hsdp}"]
         lines += _units_table(g.units)
-        if g.route:
-            lines.append(f"all-gather route chosen by 'auto': {g.route['route']} ({g.route['reason']})")
+        for option, choice in g.routes.items():
+            what = {"all_gather": "all-gather", "grad_reduce": "gradient exchange"}[option]
+            lines.append(f"{what} route chosen by 'auto': {choice['route']} ({choice['reason']})")
         for stage in ("forward", "backward"):
             if stage in g.schedules:
                 lines += _schedule_lines(stage, g.schedules[stage])

@@ -25,7 +25,8 @@ from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 SVG = "{http://www.w3.org/2000/svg}"
 STAGE_FILES = [
     "dynamo_dynamo_output_graph.py", "dynamo_units.json", "dynamo_collectives_plan.json",
-    "dynamo_insert_collectives_before.py", "dynamo_all_gather_route.json", "dynamo_insert_collectives_after.py",
+    "dynamo_insert_collectives_before.py", "dynamo_all_gather_route.json", "dynamo_grad_reduce_route.json",
+    "dynamo_insert_collectives_after.py",
     "joint_reshard_after_forward_before.py",
     "joint_reshard_after_forward_plan.json", "joint_reshard_after_forward_after.py",
     *(f"{stage}_{name}" for stage in ("forward", "backward") for name in (
@@ -94,6 +95,7 @@ def test_explain_prints_the_units_the_collectives_the_memory_plan_and_draws_the_
     assert "ranks [0, 1]; rank 0 shown" in out
     assert "| layers.0 | 9 | 8,768 | 4,384 | 0 | torch.float32 | torch.float32 | reduce_scatter | True |" in out
     assert "all-gather route chosen by 'auto': nccl (all-gathers on cpu: copy engines need CUDA tensors)" in out
+    assert "gradient exchange route chosen by 'auto': nccl (no gradient exchanges in this graph)" in out  # fp32
     assert "forward: 5 all-gathers (prefetch 1)" in out
     assert "backward: 5 all-gathers (prefetch 1), 5 gradient reductions (at most 2 in flight)" in out
     assert re.search(r"all-gather +2 +layers\.0 +all_gather_into_tensor_1 +issued 1 unit\(s\) ahead", out), out

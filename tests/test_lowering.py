@@ -15,7 +15,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import fsdp_compile
 from fsdp_compile._internals import MissingTorchFeature, symm_mem
 from fsdp_compile._write_slots import slot_hazards
-from fsdp_compile.lowering.choose_route import RouteChoice, choose_all_gather
+from fsdp_compile.lowering.choose_route import RouteChoice, choose_route
 from fsdp_compile.lowering.lower_to_symm_mem import SymmMemPlan, apply_symm_mem, plan_symm_mem
 from fsdp_compile.testing.graphs import compile_and_capture, slotted_exchanges
 from fsdp_compile.testing.llama import LLAMA_TINY
@@ -161,15 +161,15 @@ def test_auto_routes_by_nccl_on_cpu_and_says_why(caplog: pytest.LogCaptureFixtur
         graphs = compile_and_capture(
             mp=MP, backend_options={"compiler": "aot_eager", "all_gather": "auto", "grad_reduce": "auto"}
         )
-    for option in ("all_gather", "grad_reduce"):
-        assert f"{option}='auto' chose 'nccl': all-gathers on cpu: copy engines need CUDA tensors" in caplog.text
+    for option, noun in (("all_gather", "all-gathers"), ("grad_reduce", "gradient exchanges")):
+        assert f"{option}='auto' chose 'nccl': {noun} on cpu: copy engines need CUDA tensors" in caplog.text
     targets = {n.target for gm in graphs.values() for n in gm.graph.nodes}
     assert INTO_SLOT in targets and not targets & {CE, CE_INTO, CE_EXCHANGE, EXCHANGE_INTO}  # NCCL: as by default
 
 
 @pytest.fixture
 def two_gpus_one_host(monkeypatch: pytest.MonkeyPatch) -> None:
-    """What choose_all_gather checks, as on one host with 2 GPUs that reach each other, under torchrun."""
+    """What choose_route checks, as on one host with 2 GPUs that reach each other, under torchrun."""
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -183,26 +183,51 @@ GPU = torch.device("cuda", 0)
 
 @pytest.mark.usefixtures("two_gpus_one_host")
 def test_auto_puts_all_gathers_over_2_ranks_on_one_host_on_copy_engines(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert choose_all_gather({2}, {GPU}).route == "copy_engine"
-    assert choose_all_gather({2}, {GPU, torch.device("cpu")}).reason.startswith("all-gathers on cpu, cuda")
-    assert choose_all_gather({2, 4}, {GPU}).reason.startswith("groups of [2, 4] ranks")
-    assert choose_all_gather(set(), set()) == RouteChoice("nccl", "no all-gather in this graph")
+    def choose(group_sizes: set[int], devices: set[torch.device]) -> RouteChoice:
+        return choose_route("all_gather", group_sizes, devices)
+
+    assert choose({2}, {GPU}).route == "copy_engine"
+    assert choose_route("all_gather", {2}, {GPU}, cudagraphs=True).route == "copy_engine"
+    assert choose({2}, {GPU, torch.device("cpu")}).reason.startswith("all-gathers on cpu, cuda")
+    assert choose({2, 4}, {GPU}).reason.startswith(
+        "groups of [2, 4] ranks: all-gathers go on copy engines over 2 ranks only")
+    assert choose(set(), set()) == RouteChoice("nccl", "no all-gathers in this graph")
     monkeypatch.setattr(torch.cuda, "can_device_access_peer", lambda a, b: False)
-    assert choose_all_gather({2}, {GPU}).reason == "GPU 0 has no peer access to every other visible GPU ([1])"
+    assert choose({2}, {GPU}).reason == "GPU 0 has no peer access to every other visible GPU ([1])"
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert choose_all_gather({2}, {GPU}).route == "nccl"
+    assert choose({2}, {GPU}).route == "nccl"
     monkeypatch.setenv("WORLD_SIZE", "4")  # HSDP over 2 hosts: shard groups of 2, replicas on another host
-    assert "cannot tell that every rank is on this host (LOCAL_WORLD_SIZE=2, WORLD_SIZE=4" in choose_all_gather(
-        {2}, {GPU}).reason
+    assert "cannot tell that every rank is on this host (LOCAL_WORLD_SIZE=2, WORLD_SIZE=4" in choose({2}, {GPU}).reason
     monkeypatch.delenv("LOCAL_WORLD_SIZE")
-    assert choose_all_gather({2}, {GPU}).route == "nccl"
+    assert choose({2}, {GPU}).route == "nccl"
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
 
     def missing() -> None:
         raise MissingTorchFeature("fsdp_compile needs symmetric memory, which torch x lacks")
 
     monkeypatch.setattr(symm_mem, "module", missing)
-    assert choose_all_gather({2}, {GPU}) == RouteChoice("nccl", "fsdp_compile needs symmetric memory, which torch x lacks")
+    assert choose({2}, {GPU}) == RouteChoice("nccl", "fsdp_compile needs symmetric memory, which torch x lacks")
+
+
+@pytest.mark.usefixtures("two_gpus_one_host")
+def test_auto_puts_gradient_exchanges_over_4_ranks_without_cuda_graphs_on_copy_engines(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Over 4 ranks the all-gathers stay on NCCL and the exchanges go on copy engines, but not with CUDA graphs
+    (that pairing was not measured); over 8, NCCL."""
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert choose_route("all_gather", {4}, {GPU}).route == "nccl"
+    chosen = choose_route("grad_reduce", {4}, {GPU})
+    assert chosen.route == "copy_engine" and "1214 MiB less GPU memory" in chosen.reason, chosen
+    assert choose_route("grad_reduce", {2}, {GPU}).route == "copy_engine"
+    assert choose_route("grad_reduce", {4}, {GPU}, cudagraphs=True) == RouteChoice(
+        "nccl", "groups of [4] ranks: gradient exchanges go on copy engines over 2 ranks with CUDA graphs only "
+        "(not measured over more ranks, nor over 4 with CUDA graphs)")
+    assert choose_route("grad_reduce", {8}, {GPU}).reason.startswith(
+        "groups of [8] ranks: gradient exchanges go on copy engines over 2 and 4 ranks only")
+    assert choose_route("grad_reduce", set(), set()) == RouteChoice("nccl", "no gradient exchanges in this graph")
 
 
 def _workspace_grown_mid_step(rank: int, world_size: int) -> None:
