@@ -122,6 +122,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--top", type=int, default=12)
     args = parser.parse_args()
+    if not os.path.isdir(args.trace_dir):
+        parser.error(f"{args.trace_dir} is not a folder (give train_bench.py's --trace-dir)")
     for name in sorted(os.listdir(args.trace_dir)):
         if name.endswith((".json", ".json.gz")):
             for line in summarize(os.path.join(args.trace_dir, name), args.steps, args.top):
