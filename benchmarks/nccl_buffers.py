@@ -26,6 +26,8 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=98.0)
     parser.add_argument("--json", help="write the rows here (rank 0)")
     args = parser.parse_args()
+    if "LOCAL_RANK" not in os.environ or not torch.cuda.is_available():
+        parser.error("run it under torchrun on GPUs: torchrun --nproc_per_node 2 benchmarks/nccl_buffers.py")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     dist.init_process_group("nccl")
     world = dist.get_world_size()
