@@ -68,7 +68,7 @@ def summarize(path: str, steps: int, top: int) -> Iterator[str]:
     for name, (dur, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         yield f"     {dur / 1e3 / steps:7.2f} {int(n) // steps:5d}  {name}"
     compute = union([(e["ts"], e["ts"] + e["dur"]) for e in kernels if not is_communication(e["name"])])
-    exposed = [(length(intersect([(e["ts"], e["ts"] + e["dur"])], _gaps(compute))), e) for e in kernels
+    exposed = [(e["dur"] - length(intersect([(e["ts"], e["ts"] + e["dur"])], compute)), e) for e in kernels
                if is_communication(e["name"])]
     yield "   most exposed collectives (ms exposed / ms long, at ms from the first kernel):"
     for alone, e in sorted(exposed, key=lambda x: -x[0])[:top]:
@@ -108,12 +108,6 @@ def _self_times(events: list[dict]) -> list[float]:
                 own[stack[-1]] -= events[i]["dur"]
             stack.append(i)
     return own
-
-
-def _gaps(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The complement of sorted disjoint ``intervals`` (unbounded at both ends)."""
-    edges = [-float("inf")] + [x for interval in intervals for x in interval] + [float("inf")]
-    return [(edges[i], edges[i + 1]) for i in range(0, len(edges), 2) if edges[i] < edges[i + 1]]
 
 
 def main() -> None:
