@@ -49,7 +49,8 @@ each system); host time to enqueue a step (close to the step time: launch-bound)
 communication (time NCCL kernels or peer-to-peer copies run), exposed communication (of that, the time no
 other kernel runs), compute (other kernels and copies), GPU idle time, and the compute slowdown
 ((forward+backward - exposed communication) / the bound's forward+backward); compile time (first step
-minus the median). ``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them); it traces
+minus the median; the JSON's ``caches`` says how many of its graphs came from Inductor's and AOTAutograd's
+caches). ``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them); it traces
 host activity too, which slows the host, so the profile columns then come from slower, possibly host-bound
 steps (the step times do not: they are timed untraced).
 ``--stall-dump-s S`` prints every thread's Python stack to stderr when one system's run takes longer than S
@@ -400,6 +401,7 @@ def _optimizer(params: list[torch.Tensor], device: torch.device) -> torch.optim.
 def run(name: str, cfg: LlamaConfig, batch: int, seq: int, repeat: int, args: argparse.Namespace,
         device: torch.device) -> Result:
     resident = _release(device)
+    caches = _cache_counts()
     torch.manual_seed(0)
     with device:
         model = Llama(cfg)
@@ -476,8 +478,17 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, repeat: int, args: ar
     del prepared, model, opt, step, forward_backward, loss
     leftover = _release(device) - resident
     result.extra.update(resident_before_gib=resident / 2**30, leftover_after_gib=leftover / 2**30,
-                        model_freed=model_ref() is None)
+                        model_freed=model_ref() is None,
+                        caches={k: v - caches.get(k, 0) for k, v in _cache_counts().items() if v != caches.get(k, 0)})
     return result
+
+
+def _cache_counts() -> dict[str, int]:
+    """Inductor's FX graph cache and AOTAutograd's cache: hits, misses, bypasses so far in this process (a
+    system's compile time is short only where its graphs come from the cache)."""
+    counters = torch._dynamo.utils.counters
+    return {f"{group}.{key}": n for group in ("inductor", "aot_autograd") for key, n in counters[group].items()
+            if "cache" in key}
 
 
 def _keep_trace(path: str, trace_dir: str, stem: str) -> None:
