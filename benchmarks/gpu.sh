@@ -108,5 +108,5 @@ echo "== summary =="
 [ -f "$OUT/contention_$NPROC.log" ] && grep -E "alone|^\| |rror" "$OUT/contention_$NPROC.log" | tail -n 60
 [ -f "$OUT/ce_host_cost_$NPROC.log" ] && grep -E "^\| |rror" "$OUT/ce_host_cost_$NPROC.log"
 [ -f "$OUT/nccl_buffers_$NPROC.log" ] && grep -E "^\| |ranks|rror" "$OUT/nccl_buffers_$NPROC.log"
-[ -f "$OUT/bench_$tag.log" ] && { grep -E "^\||^## |guard|^[0-9]+ tokens/GPU|^step ms" "$OUT/bench_$tag.log" || tail -n 60 "$OUT/bench_$tag.log"; }
+[ -f "$OUT/bench_$tag.log" ] && { grep -E "^\||^## |guard|^[0-9]+ tokens/GPU|^auto|^step ms" "$OUT/bench_$tag.log" || tail -n 60 "$OUT/bench_$tag.log"; }
 exit $status

@@ -21,6 +21,9 @@ from typing import Any
 
 BOUNDS = ("no_comm_bound", "no_comm_bound_cudagraphs")
 """Systems without communication: no gradient averaging, compared at step 0 of the loss only."""
+ROUTES = ("nccl", "copy_engine", "copy_engine_exchange", "nccl_gather_copy_engine_exchange")
+"""The fixed routes: their systems are ``fsdp_compile_<route>`` (``_cudagraphs`` with CUDA graphs), each beside
+``fsdp_compile`` (``_cudagraphs``), the default: ``all_gather="auto"`` and ``grad_reduce="auto"``."""
 REFERENCES = ("fsdp2_eager", "fsdp2_compile")
 """The guards' reference and the tables' "vs FSDP2" column: FSDP2 eager, or FSDP2 + compile in a run that
 leaves eager out (the 8.8B model, where eager takes minutes and the bound does not fit one GPU)."""
@@ -234,8 +237,21 @@ def table(results: list[Result]) -> Iterator[str]:
                 f"{_fmt(row.median('slab_mib'), '.1f')} | {_fmt(row.median('reserved_gib'), '.2f')} | "
                 f"{_fmt(row.median('cpu_ms'), '.1f')} | {row.median('compile_s'):.1f} |"
             )
+        yield from _auto_against_fixed_routes(point)
     yield ("\nstep ms: median over the runs of each run's median step (range: min-max over the runs). Tight bound: "
            "the headline; rows with CUDA graphs against the bound with CUDA graphs where the run has it. Compute "
            "slowdown: (fwd+bwd - exposed comm) / the bound's fwd+bwd. peak GiB: the allocator's peak plus symmetric "
            "slabs; (n/c): not comparable, CUDA graphs' pool not counted; reserved GiB counts it. slabs MiB: the "
            "memory plan's (what the planner sized).")
+
+
+def _auto_against_fixed_routes(point: Point) -> Iterator[str]:
+    """Per point, without and with CUDA graphs where the run has them: the default (``auto``) against the fastest
+    fixed route of the same run (``auto`` should never be slower beyond the runs' spread)."""
+    for graphs in ("", "_cudagraphs"):
+        auto = point.row(f"fsdp_compile{graphs}")
+        fixed = [row for route in ROUTES if (row := point.row(f"fsdp_compile_{route}{graphs}"))]
+        if auto and fixed:
+            best = min(fixed, key=lambda row: row.step_ms)
+            yield (f"auto{' with CUDA graphs' if graphs else ''}: {auto.system} {auto.step_ms:.1f} ms against the "
+                   f"fastest fixed route, {best.system} {best.step_ms:.1f} ms ({auto.step_ms / best.step_ms:.2f}x)")

@@ -21,7 +21,7 @@ from fsdp_compile.testing.llama import LLAMA_TINY, Llama, LlamaConfig, save_matm
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-from report import GRAD_RTOL, Result, check_gradients, check_losses, points, table  # noqa: E402
+from report import GRAD_RTOL, ROUTES, Result, check_gradients, check_losses, points, table  # noqa: E402
 
 GUARDS_OK = (
     "loss guard (all systems vs fsdp2_eager, rtol 0.02; bounds at step 0 only): OK",
@@ -183,6 +183,27 @@ def test_fsdp2_compile_checkpoints_inside_the_compiled_block_so_selective_checkp
     )
     assert full[0] == selective[0] == 1  # the recomputation is inside the compiled backward
     assert selective[1] == plain < full[1], (plain, selective, full)  # the matmuls are saved, not recomputed
+
+
+def test_each_table_says_how_auto_compares_with_the_fastest_fixed_route() -> None:
+    results = [_result("fsdp2_eager", {}), _result("fsdp_compile", {}), _result("fsdp_compile_nccl", {}),
+               _result("fsdp_compile_copy_engine", {}), _result("fsdp_compile_cudagraphs", {})]
+    results[2].median_step_ms, results[3].median_step_ms = 8.0, 12.0
+    lines = list(table(results))
+    assert "auto: fsdp_compile 10.0 ms against the fastest fixed route, fsdp_compile_nccl 8.0 ms (1.25x)" in lines
+    assert not any(line.startswith("auto with CUDA graphs") for line in lines)  # no fixed route with CUDA graphs
+
+
+def test_the_benchmarks_fixed_routes_are_named_as_the_report_finds_them() -> None:
+    from train_bench import FSDP_COMPILE_VARIANTS
+
+    routes = {name: options for name, (options, shard) in FSDP_COMPILE_VARIANTS.items()
+              if {"all_gather", "grad_reduce"} & set(options) and set(options) <= {"all_gather", "grad_reduce",
+                                                                                      "cudagraphs"} and not shard}
+    named = {f"fsdp_compile_{route}{graphs}" for route in ROUTES for graphs in ("", "_cudagraphs")}
+    assert set(routes) <= named and {name.removesuffix("_cudagraphs") for name in routes} == {
+        f"fsdp_compile_{route}" for route in ROUTES}
+    assert all(options.get("cudagraphs", False) == name.endswith("_cudagraphs") for name, options in routes.items())
 
 
 def test_tight_bound_is_the_local_forward_backward_plus_the_sharded_optimizer() -> None:
