@@ -1,14 +1,18 @@
-"""The collectives of one 0.95B block on 2 GPUs: their time alone, and how much each slows the block's
+"""The collectives of one 0.95B block on 2 (or 4) GPUs: their time alone, and how much each slows the block's
 matmuls running beside it (the SMs NCCL takes). Optionally with SMs reserved for NCCL in the matmuls
 (cuBLASLt SM count target, ``torch._C._set_sm_carveout_experimental``).
 
-    torchrun --nproc_per_node 2 benchmarks/gemm_contention.py [--carveout 24]
+    torchrun --nproc_per_node 2 benchmarks/gemm_contention.py [--carveout 24]   # or NPROC=4 ... CONTENTION=1 gpu.sh
 
 Collectives: all-gather bf16 (forward/backward), reduce-scatter fp32 (FSDP2's gradient reduction with an
 fp32 reduce dtype) and all-to-all bf16 (the same reduction done as an exchange of bf16 gradients followed
 by a local fp32 sum); all-gathers by copy engine: fsdp_compile's own op
 (``fsdp_compile::all_gather_copy_engine``, what ``backend(all_gather="copy_engine")`` runs) and, for
-reference, torch's ``_low_contention_all_gather`` from a symmetric input and from a plain one.
+reference, torch's ``_low_contention_all_gather`` from a symmetric input and from a plain one; and into a
+slot of a symmetric slab, as the memory plan runs them (the default's copy-engine route): the all-gather that
+pulls the peers' parts (``all_gather_into_slot_copy_engine`` + its wait), the same all-gather made of pushes
+(each rank writes its part into every peer's slot: a prototype here, to learn whether NVLink writes by copy
+engine beat reads) and the gradient exchange (``exchange_into_slot_copy_engine``, pushes).
 """
 
 from __future__ import annotations
@@ -85,6 +89,50 @@ def _copy_engine_all_gathers(shard: torch.Tensor) -> dict[str, Callable[[], obje
     }
 
 
+def _into_slot(shard: torch.Tensor, full: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """The copy-engine collectives into slots of a symmetric slab: the all-gather of ``shard`` by pulls (the
+    default's op) and by pushes (a prototype), and the exchange of ``full`` (the default's op), each waited for."""
+    from fsdp_compile._slots import reserve_slab
+    from fsdp_compile.lowering._streams import copy_at_once, on_side_stream, record_done, wait_copy_engine
+    from fsdp_compile.lowering.lower_to_symm_mem import (
+        all_gather_into_slot_copy_engine,
+        exchange_into_slot_copy_engine,
+    )
+
+    group, world, rank = dist.group.WORLD.group_name, dist.get_world_size(), dist.get_rank()
+    gathered_bytes = shard.nbytes * world
+    slab = reserve_slab(group, shard.device, 2 * gathered_bytes, symmetric=True, keep_old=False)
+    gathered = slab.memory[:gathered_bytes].view(shard.dtype)
+    received = slab.memory[gathered_bytes:2 * gathered_bytes].view(shard.dtype)[: shard.numel() * (world - 1)]
+    part = shard.numel()
+    mine = gathered.view(world, part)[rank]
+    pushes = [(slab.handle.get_buffer(peer, (part,), shard.dtype, rank * part), mine)
+              for peer in range(world) if peer != rank]
+
+    def pulls() -> None:
+        all_gather_into_slot_copy_engine(shard, world, group, out=gathered)
+        wait_copy_engine(gathered, None)
+
+    def pushed() -> None:
+        mine.copy_(shard)
+        with on_side_stream():
+            slab.handle.barrier()  # every peer's slot is free
+            copy_at_once(pushes)
+            slab.handle.barrier()  # every peer's part is in this rank's slot
+            record_done(gathered)
+        wait_copy_engine(gathered, None)
+
+    def exchange() -> None:
+        exchange_into_slot_copy_engine(full, world, group, out=received)
+        wait_copy_engine(received, full)
+
+    return {
+        "all-gather bf16, copy engine into a slot (pulls: the default's)": pulls,
+        "all-gather bf16, copy engine into a slot (pushes: prototype)": pushed,
+        "exchange bf16, copy engine into a slot (pushes: the default's)": exchange,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--carveout", type=int, nargs="*", default=[])
@@ -111,6 +159,7 @@ def main() -> None:
         "all-to-all bf16": lambda: dist.all_to_all_single(out16, full16),
         "all-to-all bf16 + fp32 sum": a2a_and_sum,
         **_copy_engine_all_gathers(shard16),
+        **_into_slot(shard16, full16),
     }
     comm = torch.cuda.Stream()
     alone = {name: _time(fn, args.reps) for name, fn in collectives.items()}
