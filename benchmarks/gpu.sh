@@ -15,6 +15,7 @@
 #     # the host: the traced steps (and the table's exposed-comm / compute-slowdown columns, read off them) are
 #     # host-bound where a step's host time is near its GPU time (session 19: GPU spans 71-76 ms a traced step
 #     # against 55-61 ms untraced; exposed 16.9 ms traced vs 6.9 untraced, 4 GPUs). Step ms are untraced.
+#     # TRACE=kernels: the GPU's activity only (no host ops in the summary; the steps as fast as untraced ones).
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=1024 REPEATS=3 bash benchmarks/gpu.sh   # 4 GPUs
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=4096 SYSTEMS="no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile fsdp2_compile_hsdp fsdp_compile_hsdp" bash benchmarks/gpu.sh   # HSDP 2 x 2 beside FSDP over 4
 #   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=8192 TAG=8b SYSTEMS="fsdp2_compile fsdp_compile" BENCH_ARGS="--model 8.8b --checkpoint selective --seq-cap 8192" bash benchmarks/gpu.sh
@@ -91,14 +92,18 @@ if [ "${NCCL_BUFFERS:-0}" = 1 ]; then
 fi
 tag=${TAG:-${NPROC}gpu_$(echo "$TOKENS" | tr ' ' '_')}
 if [ "${BENCH:-1}" = 1 ]; then
-  # TRACE=1: keep each system's profiler trace (host activity too) outside $OUT (too large to bring back) and
-  # write their summary (benchmarks/trace_summary.py: GPU time by kernel class, host ops) into $OUT.
+  # TRACE=1 (or kernels): keep each system's profiler trace (host activity too, or the GPU's only) outside $OUT
+  # (too large to bring back) and write their summary (benchmarks/trace_summary.py: GPU time by kernel class,
+  # host ops) into $OUT.
   traces=/tmp/fsdp_compile_traces_$tag
-  [ "${TRACE:-0}" = 1 ] && { rm -rf "$traces"; BENCH_ARGS="${BENCH_ARGS:-} --trace-dir $traces"; }
+  case "${TRACE:-0}" in
+    1) rm -rf "$traces"; BENCH_ARGS="${BENCH_ARGS:-} --trace-dir $traces" ;;
+    kernels) rm -rf "$traces"; BENCH_ARGS="${BENCH_ARGS:-} --trace-dir $traces --trace-kernels-only" ;;
+  esac
   torchrun --nproc_per_node "$NPROC" benchmarks/train_bench.py --tokens $TOKENS --repeats "$REPEATS" --systems $SYSTEMS \
     ${BENCH_ARGS:-} --out "$OUT/bench_$tag.json" >"$OUT/bench_$tag.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "train_bench exit $rc (1: a guard failed, see the log)"; status=1; }
-  if [ "${TRACE:-0}" = 1 ]; then
+  if [ "${TRACE:-0}" != 0 ]; then
     python3 benchmarks/trace_summary.py "$traces" >"$OUT/trace_summary_$tag.txt" 2>&1 || { echo "trace_summary failed"; status=1; }
   fi
 fi

@@ -52,7 +52,9 @@ other kernel runs), compute (other kernels and copies), GPU idle time, and the c
 minus the median; the JSON's ``caches`` says how many of its graphs came from Inductor's and AOTAutograd's
 caches). ``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them); it traces
 host activity too, which slows the host, so the profile columns then come from slower, possibly host-bound
-steps (the step times do not: they are timed untraced).
+steps (the step times do not: they are timed untraced); ``--trace-kernels-only`` keeps the traces of the GPU's
+activity alone, as the profile columns are measured without ``--trace-dir`` (where the GPU's time goes in steps
+whose host runs at its own speed).
 ``--stall-dump-s S`` prints every thread's Python stack to stderr when one system's run takes longer than S
 seconds (a hang shows where each rank waits; the run goes on).
 
@@ -456,7 +458,8 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, repeat: int, args: ar
         if device.type == "cuda" and args.profile_steps:
             first = args.steps + args.split_steps
             with tempfile.NamedTemporaryFile(suffix=".json") as trace:
-                trace_steps(lambda i: step(first + i), args.profile_steps, trace.name, host=bool(args.trace_dir))
+                trace_steps(lambda i: step(first + i), args.profile_steps, trace.name,
+                            host=bool(args.trace_dir) and not args.trace_kernels_only)
                 overlap = communication_overlap(trace.name, args.profile_steps)
                 if args.trace_dir:
                     _keep_trace(trace.name, args.trace_dir, f"{name}_{batch * seq}_run{repeat}_rank{dist.get_rank()}")
@@ -546,7 +549,11 @@ def main() -> None:
     parser.add_argument("--stall-dump-s", type=float, default=0,
                         help="print every thread's Python stack (stderr) when one system's run takes longer (0: off)")
     parser.add_argument("--trace-dir", help="keep each system's profiler trace (CPU and CUDA) here, per rank")
+    parser.add_argument("--trace-kernels-only", action="store_true",
+                        help="with --trace-dir: trace the GPU's activity only (the host runs at its own speed)")
     args = parser.parse_args()
+    if args.trace_kernels_only and not args.trace_dir:
+        parser.error("--trace-kernels-only needs --trace-dir (where to keep the traces)")
     if args.systems and not set(REFERENCES) & set(args.systems):
         parser.error(f"--systems must include one of {', '.join(REFERENCES)} (the guards' reference)")
     if args.split_steps < 1 or args.repeats < 1 or not 0 < args.warmup < args.steps:

@@ -185,6 +185,12 @@ def test_fsdp2_compile_checkpoints_inside_the_compiled_block_so_selective_checkp
     assert selective[1] == plain < full[1], (plain, selective, full)  # the matmuls are saved, not recomputed
 
 
+def test_kernel_only_traces_need_a_folder_to_keep_them() -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/train_bench.py", "--trace-kernels-only"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--trace-kernels-only needs --trace-dir" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_each_table_says_how_auto_compares_with_the_fastest_fixed_route() -> None:
     results = [_result("fsdp2_eager", {}), _result("fsdp_compile", {}), _result("fsdp_compile_nccl", {}),
                _result("fsdp_compile_copy_engine", {}), _result("fsdp_compile_cudagraphs", {})]
