@@ -25,6 +25,7 @@ CLASSES = (
     ("allgather", ("allgather",)),
     ("reducescatter", ("reducescatter",)),
     ("nccl_other", ("nccl",)),
+    ("symm_mem_barrier", ("symmetric_memory",)),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("matmul", ("gemm", "sm90_xmma", "cutlass", "nvjet", "matmul", "mm_")),
     ("optimizer", ("adam", "multi_tensor")),

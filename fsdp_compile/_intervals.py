@@ -9,9 +9,12 @@ Intervals = list[tuple[float, float]]
 
 
 def is_communication(kernel_name: str) -> bool:
-    """A NCCL kernel or a peer-to-peer copy (of a GPU trace's kernels and copies; Inductor names its own
-    kernels after the ops they fuse, e.g. ``triton_poi_fused_all_gather_into_tensor_0``, a cast: not these)."""
-    return "nccl" in kernel_name.lower() or "PtoP" in kernel_name
+    """A NCCL kernel, a peer-to-peer copy or a symmetric-memory kernel (the copy-engine collectives' barriers,
+    which spin until the peers get there: waiting for communication, not compute), of a GPU trace's kernels and
+    copies. Inductor names its own kernels after the ops they fuse, e.g.
+    ``triton_poi_fused_all_gather_into_tensor_0``, a cast: not these."""
+    low = kernel_name.lower()
+    return "nccl" in low or "PtoP" in kernel_name or "symmetric_memory" in low
 
 
 def union(intervals: Intervals) -> Intervals:

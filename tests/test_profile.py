@@ -30,6 +30,21 @@ def test_communication_overlap_splits_the_timeline(tmp_path: "os.PathLike[str]")
     assert communication_overlap(path, steps=2)["compute"] == pytest.approx(10.0)
 
 
+def test_the_copy_engine_collectives_barriers_are_communication(tmp_path: "os.PathLike[str]") -> None:
+    """A symmetric-memory barrier spins on the side stream until the peers reach it: time waiting for the
+    collective, not compute (counted as compute, it hid the copy-engine route's exposed waits)."""
+    events = [
+        _kernel("c10d::symmetric_memory::barrier_kernel(unsigned int**, int, int, int, unsigned long)", 0, 4_000),
+        _kernel("Memcpy PtoP (Device -> Device)", 4_000, 6_000),
+        _kernel("nvjet_gemm", 5_000, 8_000),
+    ]
+    path = os.path.join(tmp_path, "trace.json")
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events}, f)
+    got = communication_overlap(path, steps=1)
+    assert got == pytest.approx({"comm": 6.0, "exposed": 5.0, "overlapped": 1.0, "compute": 3.0, "idle": 0.0})
+
+
 def test_trace_steps_leaves_the_warm_up_step_out(tmp_path: "os.PathLike[str]") -> None:
     path = os.path.join(tmp_path, "trace.json")
 
