@@ -46,8 +46,9 @@ marked not comparable under CUDA graphs, whose pool it leaves out) and ``max_mem
 that pool); the memory plan's slabs (``fsdp_compile.slab_bytes()``: what the planner sized, made afresh for
 each system); host time to enqueue a step (close to the step time: launch-bound); from a profiler trace of
 --profile-steps more steps (``trace_steps``: after a barrier and one untraced warm-up step):
-communication (time NCCL kernels or peer-to-peer copies run), exposed communication (of that, the time no
-other kernel runs), compute (other kernels and copies), GPU idle time, and the compute slowdown
+communication (time NCCL kernels, peer-to-peer copies or the copy-engine collectives' barriers run), exposed
+communication (of that, the time no other kernel runs), compute (other kernels and copies), GPU idle time, and
+the compute slowdown
 ((forward+backward - exposed communication) / the bound's forward+backward); compile time (first step
 minus the median; the JSON's ``caches`` says how many of its graphs came from Inductor's and AOTAutograd's
 caches). ``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them); it traces
