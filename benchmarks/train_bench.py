@@ -48,9 +48,8 @@ each system); host time to enqueue a step (close to the step time: launch-bound)
 --profile-steps more steps (``trace_steps``: after a barrier and one untraced warm-up step):
 communication (time NCCL kernels, peer-to-peer copies or the copy-engine collectives' barriers run), exposed
 communication (of that, the time no other kernel runs), compute (other kernels and copies), GPU idle time, and
-the compute slowdown
-((forward+backward - exposed communication) / the bound's forward+backward); compile time (first step
-minus the median; the JSON's ``caches`` says how many of its graphs came from Inductor's and AOTAutograd's
+the compute slowdown ((forward+backward - exposed communication) / the bound's forward+backward); compile time
+(first step minus the median; the JSON's ``caches`` says how many of its graphs came from Inductor's and AOTAutograd's
 caches). ``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them); it traces
 host activity too, which slows the host, so the profile columns then come from slower, possibly host-bound
 steps (the step times do not: they are timed untraced); ``--trace-kernels-only`` keeps the traces of the GPU's
