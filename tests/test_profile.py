@@ -15,6 +15,13 @@ def _kernel(name: str, start: float, end: float) -> dict:
     return {"ph": "X", "cat": "kernel", "name": name, "ts": start, "dur": end - start}
 
 
+def _write_trace(folder: "os.PathLike[str]", events: list[dict]) -> str:
+    path = os.path.join(folder, "trace.json")
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
+
+
 def test_communication_overlap_splits_the_timeline(tmp_path: "os.PathLike[str]") -> None:
     events = [
         _kernel("ncclDevKernel_AllGather_RING_LL", 0, 10_000),  # us; half of it beside the first matmul
@@ -22,9 +29,7 @@ def test_communication_overlap_splits_the_timeline(tmp_path: "os.PathLike[str]")
         _kernel("triton_poi_fused", 20_000, 30_000),  # after 5 ms with nothing running
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 40_000},  # host: not GPU time
     ]
-    path = os.path.join(tmp_path, "trace.json")
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events}, f)
+    path = _write_trace(tmp_path, events)
     got = communication_overlap(path, steps=1)
     assert got == pytest.approx({"comm": 10.0, "exposed": 5.0, "overlapped": 5.0, "compute": 20.0, "idle": 5.0})
     assert communication_overlap(path, steps=2)["compute"] == pytest.approx(10.0)
@@ -38,9 +43,7 @@ def test_the_copy_engine_collectives_barriers_are_communication(tmp_path: "os.Pa
         _kernel("Memcpy PtoP (Device -> Device)", 4_000, 6_000),
         _kernel("nvjet_gemm", 5_000, 8_000),
     ]
-    path = os.path.join(tmp_path, "trace.json")
-    with open(path, "w") as f:
-        json.dump({"traceEvents": events}, f)
+    path = _write_trace(tmp_path, events)
     got = communication_overlap(path, steps=1)
     assert got == pytest.approx({"comm": 6.0, "exposed": 5.0, "overlapped": 1.0, "compute": 3.0, "idle": 0.0})
 
