@@ -41,6 +41,11 @@ TOKENS=${TOKENS:-1024 4096}
 NPROC=${NPROC:-2}
 REPEATS=${REPEATS:-1}
 SYSTEMS=${SYSTEMS:-no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile}
+TRACE=${TRACE:-0}
+case "$TRACE" in  # checked before the GPU tests, not after them
+  0|1|kernels) ;;
+  *) echo "TRACE=$TRACE: use TRACE=1 (host activity traced too) or TRACE=kernels (the GPU's activity only)"; exit 1 ;;
+esac
 status=0
 mkdir -p "$OUT"
 cd "$(dirname "$0")/.."
@@ -96,14 +101,14 @@ if [ "${BENCH:-1}" = 1 ]; then
   # (too large to bring back) and write their summary (benchmarks/trace_summary.py: GPU time by kernel class,
   # host ops) into $OUT.
   traces=/tmp/fsdp_compile_traces_$tag
-  case "${TRACE:-0}" in
-    1) rm -rf "$traces"; BENCH_ARGS="${BENCH_ARGS:-} --trace-dir $traces" ;;
-    kernels) rm -rf "$traces"; BENCH_ARGS="${BENCH_ARGS:-} --trace-dir $traces --trace-kernels-only" ;;
-  esac
+  if [ "$TRACE" != 0 ]; then
+    rm -rf "$traces"; BENCH_ARGS="${BENCH_ARGS:-} --trace-dir $traces"
+    [ "$TRACE" = kernels ] && BENCH_ARGS="$BENCH_ARGS --trace-kernels-only"
+  fi
   torchrun --nproc_per_node "$NPROC" benchmarks/train_bench.py --tokens $TOKENS --repeats "$REPEATS" --systems $SYSTEMS \
     ${BENCH_ARGS:-} --out "$OUT/bench_$tag.json" >"$OUT/bench_$tag.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "train_bench exit $rc (1: a guard failed, see the log)"; status=1; }
-  if [ "${TRACE:-0}" != 0 ]; then
+  if [ "$TRACE" != 0 ]; then
     python3 benchmarks/trace_summary.py "$traces" >"$OUT/trace_summary_$tag.txt" 2>&1 || { echo "trace_summary failed"; status=1; }
   fi
 fi
