@@ -100,11 +100,10 @@ def _into_slot(shard: torch.Tensor, full: torch.Tensor) -> dict[str, Callable[[]
     )
 
     group, world, rank = dist.group.WORLD.group_name, dist.get_world_size(), dist.get_rank()
-    gathered_bytes = shard.nbytes * world
+    part, gathered_bytes = shard.numel(), shard.nbytes * world
     slab = reserve_slab(group, shard.device, 2 * gathered_bytes, symmetric=True, keep_old=False)
     gathered = slab.memory[:gathered_bytes].view(shard.dtype)
-    received = slab.memory[gathered_bytes:2 * gathered_bytes].view(shard.dtype)[: shard.numel() * (world - 1)]
-    part = shard.numel()
+    received = slab.memory[gathered_bytes:2 * gathered_bytes].view(shard.dtype)[: part * (world - 1)]
     mine = gathered.view(world, part)[rank]
     pushes = [(slab.handle.get_buffer(peer, (part,), shard.dtype, rank * part), mine)
               for peer in range(world) if peer != rank]
