@@ -12,7 +12,8 @@ reference, torch's ``_low_contention_all_gather`` from a symmetric input and fro
 slot of a symmetric slab, as the memory plan runs them (the default's copy-engine route): the all-gather that
 pulls the peers' parts (``all_gather_into_slot_copy_engine`` + its wait), the same all-gather made of pushes
 (each rank writes its part into every peer's slot: a prototype here, to learn whether NVLink writes by copy
-engine beat reads) and the gradient exchange (``exchange_into_slot_copy_engine``, pushes).
+engine beat reads) and the gradient exchange (``exchange_into_slot_copy_engine``, pushes); over more than 2
+ranks, prototypes of each in rank or ring order of the peers, with a stream per peer or one stream.
 """
 
 from __future__ import annotations
@@ -90,9 +91,12 @@ def _copy_engine_all_gathers(shard: torch.Tensor) -> dict[str, Callable[[], obje
 
 
 def _into_slot(shard: torch.Tensor, full: torch.Tensor) -> dict[str, Callable[[], object]]:
-    """The copy-engine collectives into slots of a symmetric slab: the all-gather of ``shard`` by pulls (the
-    default's op) and by pushes (a prototype), and the exchange of ``full`` (the default's op), each waited for."""
-    from fsdp_compile._slots import reserve_slab
+    """The copy-engine collectives into slots of a symmetric slab, each waited for: the all-gather of ``shard``
+    by pulls and the exchange of ``full`` by pushes (the default's ops), and prototypes of both that differ in the
+    order of the peer copies (peers in rank order, or in ring order: at step ``s`` rank ``r`` pulls from, or pushes
+    to, ``r + s``, so that no rank is read, or written, by two peers at once) and in their streams (a stream per
+    peer, the copies at once; or one stream, one after another), and the all-gather made of pushes."""
+    from fsdp_compile._slots import reserve_slab, ring_order
     from fsdp_compile.lowering._streams import copy_at_once, on_side_stream, record_done, wait_copy_engine
     from fsdp_compile.lowering.lower_to_symm_mem import (
         all_gather_into_slot_copy_engine,
@@ -105,31 +109,55 @@ def _into_slot(shard: torch.Tensor, full: torch.Tensor) -> dict[str, Callable[[]
     gathered = slab.memory[:gathered_bytes].view(shard.dtype)
     received = slab.memory[gathered_bytes:2 * gathered_bytes].view(shard.dtype)[: part * (world - 1)]
     mine = gathered.view(world, part)[rank]
-    pushes = [(slab.handle.get_buffer(peer, (part,), shard.dtype, rank * part), mine)
-              for peer in range(world) if peer != rank]
+    sent = full.view(world, -1)
+
+    def theirs(peer: int, offset: int) -> torch.Tensor:  # a part at ``offset`` elements in the peer's slab
+        return slab.handle.get_buffer(peer, (part,), shard.dtype, offset)
+
+    orders = {"rank order": sorted(set(range(world)) - {rank}),
+              "ring order": ring_order(rank, world)}
+    ways = {  # (what, into, the copies for the peers in an order)
+        "all-gather by pulls": (shard, gathered, lambda peers: [(gathered.view(world, part)[p], theirs(p, p * part))
+                                                                for p in peers]),
+        "all-gather by pushes": (shard, gathered, lambda peers: [(theirs(p, rank * part), mine) for p in peers]),
+        "exchange by pushes": (None, received, lambda peers: [(theirs(p, (rank - (rank > p)) * part), sent[p])
+                                                               for p in peers]),
+    }
+
+    def prototype(local: torch.Tensor | None, out: torch.Tensor, pairs: list, one_stream: bool) -> Callable[[], None]:
+        def run() -> None:
+            if local is not None:
+                mine.copy_(local)
+            with on_side_stream():
+                slab.handle.barrier()  # every peer's slot is free (pushes) or its part there (pulls)
+                if one_stream:
+                    for dst, src in pairs:
+                        dst.copy_(src)
+                else:
+                    copy_at_once(pairs)
+                slab.handle.barrier()  # every copy into or out of this rank's slab is done
+                record_done(out)
+            wait_copy_engine(out, local if local is not None else full)
+        return run
 
     def pulls() -> None:
         all_gather_into_slot_copy_engine(shard, world, group, out=gathered)
-        wait_copy_engine(gathered, None)
-
-    def pushed() -> None:
-        mine.copy_(shard)
-        with on_side_stream():
-            slab.handle.barrier()  # every peer's slot is free
-            copy_at_once(pushes)
-            slab.handle.barrier()  # every peer's part is in this rank's slot
-            record_done(gathered)
         wait_copy_engine(gathered, None)
 
     def exchange() -> None:
         exchange_into_slot_copy_engine(full, world, group, out=received)
         wait_copy_engine(received, full)
 
-    return {
+    variants = {
         "all-gather bf16, copy engine into a slot (pulls: the default's)": pulls,
-        "all-gather bf16, copy engine into a slot (pushes: prototype)": pushed,
         "exchange bf16, copy engine into a slot (pushes: the default's)": exchange,
     }
+    for way, (local, out, copies) in ways.items():
+        for order, peers in orders.items():
+            for streams, one in (("a stream per peer", False), ("one stream", True)):
+                if world > 2 or (order, streams) == ("rank order", "a stream per peer"):  # 2 ranks: one peer
+                    variants[f"{way}, {order}, {streams} (prototype)"] = prototype(local, out, copies(peers), one)
+    return variants
 
 
 def main() -> None:

@@ -63,6 +63,7 @@ from fsdp_compile._slots import (
     INTO_SLOT_SCHEMA,
     WAIT_EXCHANGE,
     into_slot_fake,
+    ring_order,
     slab_of,
 )
 from fsdp_compile.debug import degraded
@@ -138,8 +139,8 @@ def all_gather_copy_engine(
     with on_side_stream():
         workspace.get_buffer(workspace.rank, shard.shape, shard.dtype).copy_(parts[workspace.rank])
         workspace.barrier()
-        copy_at_once([(part, workspace.get_buffer(rank, shard.shape, shard.dtype))
-                      for rank, part in enumerate(parts) if rank != workspace.rank])
+        copy_at_once([(parts[peer], workspace.get_buffer(peer, shard.shape, shard.dtype))
+                      for peer in ring_order(workspace.rank, group_size)])
         workspace.barrier()
         symm_mem.register_work(output)  # its event: recorded on `side`
     return output
