@@ -83,7 +83,7 @@ def main() -> None:
 
     def copies() -> None:
         with torch.cuda.stream(side):
-            _streams.copy_at_once(pairs)
+            _streams.copy_in_turn(pairs)
         compute.wait_stream(side)
 
     def register() -> None:
@@ -105,7 +105,7 @@ def main() -> None:
         "exchange_into_slot_copy_engine + wait": exchange,
         "NCCL all_gather_into_tensor + wait": nccl,
         "barrier (side stream)": barrier,
-        f"copy_at_once ({world - 1} peer copies) + join": copies,
+        f"copy_in_turn ({world - 1} peer copies) + join": copies,
         "register_work + wait_tensor (the workspace route's wait)": register,
         "record_done + wait_copy_engine (the slots' wait)": record,
         "on_side_stream(): pass": side_stream,

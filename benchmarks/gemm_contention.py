@@ -13,7 +13,7 @@ slot of a symmetric slab, as the memory plan runs them (the default's copy-engin
 pulls the peers' parts (``all_gather_into_slot_copy_engine`` + its wait), the same all-gather made of pushes
 (each rank writes its part into every peer's slot: a prototype here, to learn whether NVLink writes by copy
 engine beat reads) and the gradient exchange (``exchange_into_slot_copy_engine``, pushes); over more than 2
-ranks, prototypes of each in rank or ring order of the peers, with a stream per peer or one stream.
+ranks, prototypes of both with the peers in rank order instead of ring order.
 """
 
 from __future__ import annotations
@@ -92,12 +92,12 @@ def _copy_engine_all_gathers(shard: torch.Tensor) -> dict[str, Callable[[], obje
 
 def _into_slot(shard: torch.Tensor, full: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The copy-engine collectives into slots of a symmetric slab, each waited for: the all-gather of ``shard``
-    by pulls and the exchange of ``full`` by pushes (the default's ops), and prototypes of both that differ in the
-    order of the peer copies (peers in rank order, or in ring order: at step ``s`` rank ``r`` pulls from, or pushes
-    to, ``r + s``, so that no rank is read, or written, by two peers at once) and in their streams (a stream per
-    peer, the copies at once; or one stream, one after another), and the all-gather made of pushes."""
+    by pulls and the exchange of ``full`` by pushes (the default's ops: the peers in ring order, one copy after
+    another), and prototypes: the all-gather made of pushes, and over more than 2 ranks the three with the peers
+    in rank order (every rank starts with rank 0: how the ops ran before experiment 23; that experiment's
+    prototypes with a stream per peer are in the commit that measured them, a083f49)."""
     from fsdp_compile._slots import reserve_slab, ring_order
-    from fsdp_compile.lowering._streams import copy_at_once, on_side_stream, record_done, wait_copy_engine
+    from fsdp_compile.lowering._streams import copy_in_turn, on_side_stream, record_done, wait_copy_engine
     from fsdp_compile.lowering.lower_to_symm_mem import (
         all_gather_into_slot_copy_engine,
         exchange_into_slot_copy_engine,
@@ -114,27 +114,13 @@ def _into_slot(shard: torch.Tensor, full: torch.Tensor) -> dict[str, Callable[[]
     def theirs(peer: int, offset: int) -> torch.Tensor:  # a part at ``offset`` elements in the peer's slab
         return slab.handle.get_buffer(peer, (part,), shard.dtype, offset)
 
-    orders = {"rank order": sorted(set(range(world)) - {rank}),
-              "ring order": ring_order(rank, world)}
-    ways = {  # (what, into, the copies for the peers in an order)
-        "all-gather by pulls": (shard, gathered, lambda peers: [(gathered.view(world, part)[p], theirs(p, p * part))
-                                                                for p in peers]),
-        "all-gather by pushes": (shard, gathered, lambda peers: [(theirs(p, rank * part), mine) for p in peers]),
-        "exchange by pushes": (None, received, lambda peers: [(theirs(p, (rank - (rank > p)) * part), sent[p])
-                                                               for p in peers]),
-    }
-
-    def prototype(local: torch.Tensor | None, out: torch.Tensor, pairs: list, one_stream: bool) -> Callable[[], None]:
+    def prototype(local: torch.Tensor | None, out: torch.Tensor, pairs: list) -> Callable[[], None]:
         def run() -> None:
             if local is not None:
                 mine.copy_(local)
             with on_side_stream():
                 slab.handle.barrier()  # every peer's slot is free (pushes) or its part there (pulls)
-                if one_stream:
-                    for dst, src in pairs:
-                        dst.copy_(src)
-                else:
-                    copy_at_once(pairs)
+                copy_in_turn(pairs)
                 slab.handle.barrier()  # every copy into or out of this rank's slab is done
                 record_done(out)
             wait_copy_engine(out, local if local is not None else full)
@@ -148,15 +134,20 @@ def _into_slot(shard: torch.Tensor, full: torch.Tensor) -> dict[str, Callable[[]
         exchange_into_slot_copy_engine(full, world, group, out=received)
         wait_copy_engine(received, full)
 
+    ring, rank_order = ring_order(rank, world), sorted(set(range(world)) - {rank})
     variants = {
         "all-gather bf16, copy engine into a slot (pulls: the default's)": pulls,
         "exchange bf16, copy engine into a slot (pushes: the default's)": exchange,
+        "all-gather bf16, copy engine into a slot (pushes: prototype)": prototype(
+            shard, gathered, [(theirs(p, rank * part), mine) for p in ring]),
     }
-    for way, (local, out, copies) in ways.items():
-        for order, peers in orders.items():
-            for streams, one in (("a stream per peer", False), ("one stream", True)):
-                if world > 2 or (order, streams) == ("rank order", "a stream per peer"):  # 2 ranks: one peer
-                    variants[f"{way}, {order}, {streams} (prototype)"] = prototype(local, out, copies(peers), one)
+    if world > 2:  # 2 ranks: one peer, no order
+        variants |= {
+            "all-gather by pulls, rank order (prototype)": prototype(
+                shard, gathered, [(gathered.view(world, part)[p], theirs(p, p * part)) for p in rank_order]),
+            "exchange by pushes, rank order (prototype)": prototype(
+                None, received, [(theirs(p, (rank - (rank > p)) * part), sent[p]) for p in rank_order]),
+        }
     return variants
 
 

@@ -73,7 +73,7 @@ class BackendConfig:
     ``"copy_engine"``: peer-to-peer memcpys through symmetric memory, on the GPUs' copy engines, leaving
     the SMs to the matmuls they overlap with (``lowering/lower_to_symm_mem.py``). Needs CUDA tensors, a
     torch with symmetric memory, and GPUs with peer access (NVLink). ``"auto"`` (the default): per compiled
-    graph, the route measured faster for its groups' size (copy engines over 2 ranks on one host, NCCL
+    graph, the route measured faster for its groups' size (copy engines over 2 or 4 ranks on one host, NCCL
     otherwise: ``lowering/choose_route.py``), NCCL wherever the copy engines cannot run (CPU tensors: gloo);
     the choice and its reason are logged (logger ``fsdp_compile``, and the ``fsdp_compile_all_gather_route``
     artifact)."""
@@ -85,9 +85,8 @@ class BackendConfig:
     slot of the memory plan (peer-to-peer memcpys into symmetric memory, on the copy engines), so that no
     collective holds SMs in backward; needs ``memory_plan=True`` and what ``all_gather="copy_engine"`` needs,
     and refuses units that reduce-scatter instead (``reduce_dtype == param_dtype``, or the exchange switched
-    off). ``"auto"`` (the default): per compiled graph, by its groups' size, copy engines over 2 ranks on one
-    host, and over 4 without CUDA graphs (where the all-gathers stay on NCCL), NCCL otherwise and without the
-    memory plan (``lowering/choose_route.py``; reduce-scatters stay on NCCL); logged like ``all_gather``'s, the
+    off). ``"auto"`` (the default): per compiled graph, by its groups' size, copy engines over 2 or 4 ranks on
+    one host, NCCL otherwise and without the memory plan (``lowering/choose_route.py``; reduce-scatters stay on NCCL); logged like ``all_gather``'s, the
     artifact ``fsdp_compile_grad_reduce_route``."""
 
     memory_plan: bool = True

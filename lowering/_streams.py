@@ -4,7 +4,7 @@
 collective.
 
 * :func:`on_side_stream`: symmetric memory's side stream made current, after the compute stream's work so far.
-* :func:`copy_at_once`: the peer copies, on streams forked from the side stream and joined back.
+* :func:`copy_in_turn`: the peer copies, one after another on the side stream.
 * :func:`record_done` ends a copy-engine collective into a slot (on the side stream); the op
   ``fsdp_compile::wait_copy_engine(out, keep)`` is the graph's wait for it: the compute stream waits for the event
   recorded last for ``out``'s place. One event per place (device, address): a collective into a slot is issued
@@ -22,13 +22,10 @@ import torch
 
 from fsdp_compile._internals import step_ops, symm_mem
 
-__all__ = ["WAIT_COPY_ENGINE", "copy_at_once", "on_side_stream", "record_done", "wait_copy_engine"]
+__all__ = ["WAIT_COPY_ENGINE", "copy_in_turn", "on_side_stream", "record_done", "wait_copy_engine"]
 
 _side: dict[int, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
 """Per device: symmetric memory's backend stream, and the event that forks it from the compute stream."""
-_copy_streams: dict[int, tuple[torch.cuda.Event, list[tuple[torch.cuda.Stream, torch.cuda.Event]]]] = {}
-"""Per device: an event to fork from the side stream, the streams peer copies run on besides symmetric memory's
-own, each with an event to join back."""
 _done: dict[tuple[int, int], torch.cuda.Event] = {}
 """Per place (device, address) of a collective's output: the event its last collective recorded."""
 
@@ -50,29 +47,14 @@ def on_side_stream() -> Iterator[None]:
         torch.cuda.set_stream(compute)
 
 
-def copy_at_once(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """``dst.copy_(src)`` for every (dst, src) pair, the first on the current (side) stream, each other on a stream
-    forked from it and joined back: over more than 2 ranks the copy engines move the peers' parts at once."""
-    for dst, src in pairs[:1]:  # on the side stream itself
+def copy_in_turn(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """``dst.copy_(src)`` for every (dst, src) pair, one after another on the current (side) stream. The pairs
+    come in ring order (``fsdp_compile._slots.ring_order``): at each step every rank copies from (or to) a peer
+    that no other rank copies from (or to) at that step. Over 4 H200s a block's all-gather so took 0.251 ms,
+    against 0.318 with the copies at once on a stream per peer (they then share the peers' links) and NCCL's 0.282
+    (benchmarks/NOTES.md, experiment 23); and one stream costs no events to fork and join."""
+    for dst, src in pairs:
         dst.copy_(src)
-    if len(pairs) < 2:
-        return
-    side = torch.cuda.current_stream()
-    if side.device.index not in _copy_streams:
-        _copy_streams[side.device.index] = (torch.cuda.Event(), [])
-    fork, streams = _copy_streams[side.device.index]
-    while len(streams) < len(pairs) - 1:
-        streams.append((torch.cuda.Stream(side.device), torch.cuda.Event()))
-    others = list(zip(pairs[1:], streams))
-    fork.record(side)
-    for (dst, src), (stream, joined) in others:
-        stream.wait_event(fork)
-        torch.cuda.set_stream(stream)
-        dst.copy_(src)
-        joined.record(stream)
-    torch.cuda.set_stream(side)
-    for _, (_, joined) in others:
-        side.wait_event(joined)
 
 
 def record_done(out: torch.Tensor) -> None:

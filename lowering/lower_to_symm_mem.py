@@ -20,8 +20,8 @@ How an all-gather into a slot runs (``all_gather_into_slot_copy_engine``), on ``
 1. compute stream: copy (and cast) the shard into this rank's part of the slot; peers read it from there.
 2. side stream (symmetric memory's backend stream), after the compute stream: a barrier (every rank's part
    is in place), ``w - 1`` memcpys of the peers' parts of the same slot into this rank's slot (the slabs
-   have the same layout on every rank; the first on the side stream, each other on its own stream forked from
-   it and joined back, so that over 4 ranks the copy engines run the 3 at once), a barrier (no peer reads this
+   have the same layout on every rank), one after another on the side stream, from the peers in ring order
+   (``rank + 1``, ``rank + 2``, ...: at each step no two ranks read the same peer), a barrier (no peer reads this
    rank's part any more: the slot's next occupant may be written once this all-gather is waited for), an
    event recorded (made once per slot: ``lowering/_streams.py``); the graph's ``wait_copy_engine`` makes the
    compute stream wait for it: the side stream forks from the compute stream and joins it at the wait (what
@@ -31,9 +31,9 @@ parts of the exchange's output, in rank order, in a slot of the symmetric slab, 
 rank's own part from the gradient: ``exchange_into_slot``): on the side stream, after the compute stream, a
 barrier (every rank has reached this exchange, so every peer's slot is free of its previous occupant),
 ``w - 1`` memcpys of each peer's part of this rank's gradient into this rank's place in the same slot of that
-peer's slab (pushes: the gradient stays where Inductor put it), a barrier (every push into this rank's slot is
-done), an event; the graph's ``wait_copy_engine`` joins the side stream back and keeps the gradient alive
-until then. An exchange the plan left without a slot (a symbolic size) stays on NCCL, said once.
+peer's slab (pushes, in ring order: the gradient stays where Inductor put it), a barrier (every push into this
+rank's slot is done), an event; the graph's ``wait_copy_engine`` joins the side stream back and keeps the
+gradient alive until then. An exchange the plan left without a slot (a symbolic size) stays on NCCL, said once.
 An all-gather into its own buffer (``all_gather_copy_engine``) also copies its part into this rank's slice of
 the group's symmetric workspace first (``get_symm_mem_workspace``), and the peers read it from there. The
 workspace is allocated when the backend compiles (``reserve_workspace``), sized to the largest shard, so it
@@ -67,7 +67,7 @@ from fsdp_compile._slots import (
     slab_of,
 )
 from fsdp_compile.debug import degraded
-from fsdp_compile.lowering._streams import WAIT_COPY_ENGINE, copy_at_once, on_side_stream, record_done
+from fsdp_compile.lowering._streams import WAIT_COPY_ENGINE, copy_in_turn, on_side_stream, record_done
 
 __all__ = [
     "LowerToSymmMem",
@@ -139,7 +139,7 @@ def all_gather_copy_engine(
     with on_side_stream():
         workspace.get_buffer(workspace.rank, shard.shape, shard.dtype).copy_(parts[workspace.rank])
         workspace.barrier()
-        copy_at_once([(parts[peer], workspace.get_buffer(peer, shard.shape, shard.dtype))
+        copy_in_turn([(parts[peer], workspace.get_buffer(peer, shard.shape, shard.dtype))
                       for peer in ring_order(workspace.rank, group_size)])
         workspace.barrier()
         symm_mem.register_work(output)  # its event: recorded on `side`
@@ -157,7 +157,7 @@ def all_gather_into_slot_copy_engine(shard: torch.Tensor, group_size: int, group
     mine.copy_(shard)
     with on_side_stream():
         slab.handle.barrier()
-        copy_at_once(pulls)
+        copy_in_turn(pulls)
         slab.handle.barrier()
         record_done(out)
 
@@ -173,7 +173,7 @@ def exchange_into_slot_copy_engine(gradient: torch.Tensor, group_size: int, grou
     parts = gradient.view(group_size, -1).unbind()
     with on_side_stream():
         slab.handle.barrier()
-        copy_at_once([(theirs, parts[peer]) for peer, theirs in pushes])
+        copy_in_turn([(theirs, parts[peer]) for peer, theirs in pushes])
         slab.handle.barrier()
         record_done(out)
 

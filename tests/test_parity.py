@@ -114,7 +114,7 @@ class Case:
     keep_root_gathered: bool = False  # shard(reshard_after_forward=...) false for the root unit
     cudagraphs: bool = False  # BackendConfig.cudagraphs (CUDA graphs: GPU only)
     all_gather: Literal["nccl", "copy_engine", "auto"] = "nccl"  # BackendConfig.all_gather (copy engines: GPU only;
-    # auto: under the environment torchrun gives one host, copy engines for groups of 2 GPUs)
+    # auto: under the environment torchrun gives one host, copy engines for groups of 2 or 4 GPUs)
     grad_reduce: Literal["nccl", "copy_engine", "auto"] = "nccl"  # BackendConfig.grad_reduce (the exchanges: GPU only
     # for copy engines)
     mode: str | None = None  # torch.compile(mode=...)
@@ -200,7 +200,7 @@ def _train_and_compare_here(rank: int, world_size: int, case: Case) -> None:
         if case.graph_break:
             assert sum(counters["graph_break"].values()) >= 1, "the test model did not break the graph"
         shard_ranks = case.mesh[1] if case.mesh else world_size
-        route = "copy_engine" if case.device == "cuda" and shard_ranks == 2 else "nccl"
+        route = "copy_engine" if case.device == "cuda" and shard_ranks in (2, 4) else "nccl"
         for option in ("all_gather", "grad_reduce"):
             if getattr(case, option) == "auto":
                 assert counters["fsdp_compile"][f"{option}_auto_{route}"] >= 1, dict(counters["fsdp_compile"])
