@@ -24,7 +24,7 @@ projection, which backward needs first, is not resharded after forward):
   ``fsdp_compile_cudagraphs`` (``backend(cudagraphs=True)``: no launch overhead) and
   ``fsdp_compile_copy_engine`` (``backend(all_gather="copy_engine")``: all-gathers off the SMs; GPU only) and
   ``fsdp_compile_nccl`` (``backend(all_gather="nccl", grad_reduce="nccl")``: every collective on NCCL; the
-  defaults, ``"auto"``, choose copy engines over 2 ranks on one host) and
+  defaults, ``"auto"``, choose copy engines over 2 or 4 ranks on one host) and
   ``fsdp_compile_copy_engine_exchange`` (``all_gather="copy_engine", grad_reduce="copy_engine"``: no collective
   on the SMs; GPU only) and ``fsdp_compile_keep_gathered`` (``reshard_after_forward=False`` for every unit: no
   all-gather in backward, the gathered parameters held from forward to backward).
