@@ -155,7 +155,8 @@ def _choose_routes(gm: fx.GraphModule, plan: CollectivesPlan, config: BackendCon
     for option, collectives in (("all_gather", gathers), ("grad_reduce", exchanges)):
         if getattr(config, option) != "auto":
             continue
-        chosen = choose_route(option, {g.world_size for g, _ in collectives}, {shard.device for _, shard in collectives})
+        sizes, devices = {g.world_size for g, _ in collectives}, {shard.device for _, shard in collectives}
+        chosen = choose_route(option, sizes, devices)
         if option == "grad_reduce" and chosen.route == "copy_engine" and not config.memory_plan:
             chosen = RouteChoice("nccl", "memory_plan=False: no planned slots to push the gradients into")
         debug.artifact(f"{option}_route", chosen.to_json, encoding="json")

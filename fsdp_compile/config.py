@@ -86,8 +86,8 @@ class BackendConfig:
     collective holds SMs in backward; needs ``memory_plan=True`` and what ``all_gather="copy_engine"`` needs,
     and refuses units that reduce-scatter instead (``reduce_dtype == param_dtype``, or the exchange switched
     off). ``"auto"`` (the default): per compiled graph, by its groups' size, copy engines over 2 or 4 ranks on
-    one host, NCCL otherwise and without the memory plan (``lowering/choose_route.py``; reduce-scatters stay on NCCL); logged like ``all_gather``'s, the
-    artifact ``fsdp_compile_grad_reduce_route``."""
+    one host, NCCL otherwise and without the memory plan (``lowering/choose_route.py``; reduce-scatters stay on
+    NCCL); logged like ``all_gather``'s, the artifact ``fsdp_compile_grad_reduce_route``."""
 
     memory_plan: bool = True
     """Apply the memory plan (``passes/plan_memory.py``): every all-gather whose output does not outlive its

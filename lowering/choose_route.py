@@ -12,13 +12,16 @@ Measured (0.95B Llama-style model, bf16 compute; step ms; benchmarks/NOTES.md, t
 | 2 H200 | 1024 | yes | 25.6 | 23.0 | **21.4** | 48 |
 | 4 H200 | 4096 | no | - | 54.0 (3 runs) | **52.7** (3 runs) | 53 |
 | 4 H200 | 1024 | yes | 24.5 | - | **19.9**; 19.5 in run 54 | 52 |
+| 4 H200 | 1024 | no | 45.9 | **42.7** | 45.9; 42.2 in run 54 | 55 |
 
-Over 2 ranks the copy engines win (one peer copy per all-gather, the SMs left to the matmuls) or tie (1024
-tokens/GPU without CUDA graphs: a launch-bound step, whose spread hides the routes). Over 4 ranks they lost to
-NCCL until experiment 23 (runs 29, 38, 40, 51: 29.3 vs 25.2 ms at 1024 with CUDA graphs, run 51): every rank
-copied from its peers in rank order, so all of them read rank 0 first; in ring order, one copy after another
-(``fsdp_compile._slots.ring_order``), a block's all-gather takes 0.25 ms against 0.45 before and NCCL's 0.28, and
-slows the matmuls beside it 1.06-1.09x against NCCL's 1.24-1.54x (``benchmarks/gemm_contention.py``, run 53).
+Over 2 ranks the copy engines win (one peer copy per all-gather, the SMs left to the matmuls). At 1024
+tokens/GPU without CUDA graphs every route is host-bound (31-48 ms to enqueue a step of 16-22 ms of compute)
+and the spread of such steps hides the routes: the same graphs took 40.6 and 51.5 ms in run 48. Over 4 ranks
+the copy engines lost to NCCL until experiment 23 (runs 29, 38, 40, 51: 29.3 vs 25.2 ms at 1024 with CUDA
+graphs, run 51): every rank copied from its peers in rank order, so all of them read rank 0 first; in ring
+order, one copy after another (``fsdp_compile._slots.ring_order``), a block's all-gather takes 0.25 ms against
+0.45 before and NCCL's 0.28, and slows the matmuls beside it 1.06-1.09x against NCCL's 1.24-1.54x
+(``benchmarks/gemm_contention.py``, run 53).
 The copy-engine exchanges also need no NCCL all-to-all buffers: over 4 ranks **1214 MiB** less GPU memory
 outside the allocator (``tests/test_gpu_overlap.py``, experiment 20). Over more ranks: not measured, NCCL. The
 measured all-gathers were 4 KB (the root unit) to 131 MB, every unit on the same route, so the choice goes by
