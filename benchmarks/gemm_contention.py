@@ -93,13 +93,14 @@ def _copy_engine_all_gathers(shard: torch.Tensor) -> dict[str, Callable[[], obje
 def _into_slot(shard: torch.Tensor, full: torch.Tensor) -> dict[str, Callable[[], object]]:
     """The copy-engine collectives into slots of a symmetric slab, each waited for: the all-gather of ``shard``
     by pulls and the exchange of ``full`` by pushes (the default's ops: the peers in ring order, one copy after
-    another), and prototypes: the all-gather made of pushes, and over more than 2 ranks the three with the peers
-    in rank order (every rank starts with rank 0: how the ops ran before experiment 23; that experiment's
+    another), and prototypes: the all-gather made of pushes, and over more than 2 ranks both default ops with the
+    peers in rank order (every rank starts with rank 0: how the ops ran before experiment 23; that experiment's
     prototypes with a stream per peer are in the commit that measured them, a083f49)."""
     from fsdp_compile._slots import reserve_slab, ring_order
-    from fsdp_compile.lowering._streams import copy_in_turn, on_side_stream, record_done, wait_copy_engine
+    from fsdp_compile.lowering._streams import wait_copy_engine
     from fsdp_compile.lowering.lower_to_symm_mem import (
         all_gather_into_slot_copy_engine,
+        copy_between_slabs,
         exchange_into_slot_copy_engine,
     )
 
@@ -115,14 +116,10 @@ def _into_slot(shard: torch.Tensor, full: torch.Tensor) -> dict[str, Callable[[]
         return slab.handle.get_buffer(peer, (part,), shard.dtype, offset)
 
     def prototype(local: torch.Tensor | None, out: torch.Tensor, pairs: list) -> Callable[[], None]:
-        def run() -> None:
+        def run() -> None:  # the default's ops with other copies (``pairs``)
             if local is not None:
                 mine.copy_(local)
-            with on_side_stream():
-                slab.handle.barrier()  # every peer's slot is free (pushes) or its part there (pulls)
-                copy_in_turn(pairs)
-                slab.handle.barrier()  # every copy into or out of this rank's slab is done
-                record_done(out)
+            copy_between_slabs(slab, pairs, out)
             wait_copy_engine(out, local if local is not None else full)
         return run
 

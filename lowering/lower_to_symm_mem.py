@@ -62,6 +62,7 @@ from fsdp_compile._slots import (
     INTO_SLOT,
     INTO_SLOT_SCHEMA,
     WAIT_EXCHANGE,
+    Slab,
     into_slot_fake,
     ring_order,
     slab_of,
@@ -75,6 +76,7 @@ __all__ = [
     "all_gather_copy_engine",
     "all_gather_into_slot_copy_engine",
     "apply_symm_mem",
+    "copy_between_slabs",
     "exchange_into_slot_copy_engine",
     "plan_symm_mem",
     "reserve_workspace",
@@ -146,6 +148,18 @@ def all_gather_copy_engine(
     return output
 
 
+def copy_between_slabs(slab: Slab, pairs: list[tuple[torch.Tensor, torch.Tensor]], out: torch.Tensor) -> None:
+    """The side-stream part of a copy-engine collective into the slot ``out`` of ``slab``: a barrier (every rank
+    is here: its part in place, its slot free), ``dst.copy_(src)`` for the (dst, src) ``pairs`` (to or from the
+    peers' slabs, in ring order), a barrier (every copy into or out of this rank's slab is done), the event that
+    ``wait_copy_engine(out, ...)`` waits for."""
+    with on_side_stream():
+        slab.handle.barrier()
+        copy_in_turn(pairs)
+        slab.handle.barrier()
+        record_done(out)
+
+
 @step_ops.step_op(
     "fsdp_compile::all_gather_into_slot_copy_engine", INTO_SLOT_SCHEMA, into_slot_fake, device_type="cuda"
 )
@@ -155,11 +169,7 @@ def all_gather_into_slot_copy_engine(shard: torch.Tensor, group_size: int, group
     slab = slab_of(group_name, out.device)
     mine, pulls = slab.pulls(out, group_size)
     mine.copy_(shard)
-    with on_side_stream():
-        slab.handle.barrier()
-        copy_in_turn(pulls)
-        slab.handle.barrier()
-        record_done(out)
+    copy_between_slabs(slab, pulls, out)
 
 
 @step_ops.step_op(
@@ -171,11 +181,7 @@ def exchange_into_slot_copy_engine(gradient: torch.Tensor, group_size: int, grou
     slab = slab_of(group_name, out.device)
     pushes = slab.pushes(out, group_size)
     parts = gradient.view(group_size, -1).unbind()
-    with on_side_stream():
-        slab.handle.barrier()
-        copy_in_turn([(theirs, parts[peer]) for peer, theirs in pushes])
-        slab.handle.barrier()
-        record_done(out)
+    copy_between_slabs(slab, [(theirs, parts[peer]) for peer, theirs in pushes], out)
 
 
 @dataclass(frozen=True)
