@@ -317,3 +317,43 @@ def test_an_exchange_without_a_slot_stays_on_nccl_and_is_counted(scheduled: dict
     plan = plan_symm_mem(scheduled["backward"].graph, all_gather=False, grad_reduce=True)
     assert plan == SymmMemPlan(gathers=(), workspace_bytes=0)
     assert counters["fsdp_compile"]["copy_engine_exchanges_left_on_nccl"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CUDA graphs)")
+def test_replayed_work_runs_at_every_call_captured_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``_streams.replayed`` (the copy-engine collectives' side-stream work): run as is at a place's first call,
+    captured at its second, replayed from then on, each call doing the work (here: a copy of what ``src`` holds
+    at that call); as is inside another capture (the step's CUDA graph) and past ``MAX_REPLAYED`` places."""
+    from fsdp_compile.lowering import _streams
+
+    src = torch.zeros(1 << 16, device="cuda")
+    dst = torch.empty_like(src)
+    runs: list[int] = []
+
+    def work() -> None:
+        runs.append(1)
+        dst.copy_(src)
+
+    graphs: dict = {}
+    with torch.cuda.stream(torch.cuda.Stream()):
+        for i in range(4):
+            src.fill_(i)
+            _streams.replayed(graphs, "place", work)
+            assert torch.equal(dst, src), f"call {i}"
+        assert len(runs) == 2 and isinstance(graphs["place"], torch.cuda.CUDAGraph)
+
+        monkeypatch.setattr(_streams, "MAX_REPLAYED", 1)
+        for i in range(3):
+            src.fill_(10 + i)
+            _streams.replayed(graphs, "another place", work)
+            assert torch.equal(dst, src), f"past MAX_REPLAYED, call {i}"
+        assert list(graphs) == ["place"] and len(runs) == 5
+
+    step, inside = torch.cuda.CUDAGraph(), {}
+    with torch.cuda.graph(step):
+        _streams.replayed(inside, "place", work)
+    src.fill_(42)
+    step.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(dst, src) and inside == {}
