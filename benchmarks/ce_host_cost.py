@@ -29,9 +29,7 @@ PART_NUMEL = 512 * 1024  # bf16: 1 MiB per rank
 
 
 def _host_us(fn: Callable[[], object], reps: int) -> float:
-    """Mean host time of ``fn`` in µs (the GPU kept from falling behind by a sync every 25 calls, not timed),
-    after two untimed calls (kernels load; work that ``_streams.replayed`` replays is captured at its second)."""
-    fn()
+    """Mean host time of ``fn`` in µs (the GPU kept from falling behind by a sync every 25 calls, not timed)."""
     fn()
     torch.cuda.synchronize()
     total = 0.0
@@ -88,21 +86,6 @@ def main() -> None:
             _streams.copy_in_turn(pairs)
         compute.wait_stream(side)
 
-    def side_work() -> None:  # the all-gather's side-stream work, as copy_between_slabs has it
-        slab.handle.barrier()
-        _streams.copy_in_turn(pairs)
-        slab.handle.barrier()
-
-    graphs: dict = {}
-
-    def as_is() -> None:
-        with torch.cuda.stream(side):
-            side_work()
-
-    def replayed() -> None:
-        with torch.cuda.stream(side):
-            _streams.replayed(graphs, "all-gather", side_work)
-
     def register() -> None:
         with torch.cuda.stream(side):
             symm_mem.register_work(out)
@@ -123,8 +106,6 @@ def main() -> None:
         "NCCL all_gather_into_tensor + wait": nccl,
         "barrier (side stream)": barrier,
         f"copy_in_turn ({world - 1} peer copies) + join": copies,
-        "barrier, copy_in_turn, barrier (side stream)": as_is,
-        "the same, replayed (_streams.replayed: a CUDA graph)": replayed,
         "register_work + wait_tensor (the workspace route's wait)": register,
         "record_done + wait_copy_engine (the slots' wait)": record,
         "on_side_stream(): pass": side_stream,

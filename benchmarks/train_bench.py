@@ -28,8 +28,6 @@ projection, which backward needs first, is not resharded after forward):
   ``fsdp_compile_copy_engine_exchange`` (``all_gather="copy_engine", grad_reduce="copy_engine"``: no collective
   on the SMs; GPU only) and ``fsdp_compile_keep_gathered`` (``reshard_after_forward=False`` for every unit: no
   all-gather in backward, the gathered parameters held from forward to backward).
-- ``fsdp_compile_not_replayed``: the default with each copy-engine collective's barriers and copies launched one
-  by one at every call, not replayed as a CUDA graph per place (GPU only: that replay's A/B).
 - HSDP as on two nodes, on a ``(replicate, shard)`` mesh of shape (2, ranks / 2) (4 ranks or more; left out of
   the defaults below): ``fsdp2_compile_hsdp`` (``fsdp2_compile`` with ``fully_shard(mesh=...)``) and
   ``fsdp_compile_hsdp`` (``shard(mesh=...)``).
@@ -86,7 +84,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
-from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -109,7 +106,6 @@ from torch.utils.checkpoint import (
 )
 
 import fsdp_compile
-from fsdp_compile.lowering import _streams
 from fsdp_compile.testing.dist import gloo_one_worker_thread, hsdp_mesh
 from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_8B, LLAMA_TINY, Llama, LlamaConfig, save_matmuls
 from fsdp_compile.testing.profile import communication_overlap, trace_steps
@@ -158,7 +154,7 @@ FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 (every unit stays gathered from forward to backward: ``reshard_after_forward=False``, no all-gather in
 backward) and ``MixedPrecision(**options)`` beyond bf16/fp32). Add one line per new variant."""
 GPU_ONLY = {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items()
-            if {"all_gather", "grad_reduce"} & set(options)} | {"fsdp_compile_not_replayed"}
+            if {"all_gather", "grad_reduce"} & set(options)}
 """Left out of the default systems on CPU: the variants that name a route (copy-engine collectives need GPUs; on
 CPU the default, ``auto``, is gloo, so an ``nccl`` variant is the ``fsdp_compile`` row again)."""
 KEEP_GATHERED = {name for name, (_, shard_options) in FSDP_COMPILE_VARIANTS.items()
@@ -312,13 +308,6 @@ def _fsdp_compile(options: tuple[dict[str, Any], dict[str, Any]], model: Llama, 
     return _compiled(model, backend_options)
 
 
-def fsdp_compile_not_replayed(model: Llama, device: torch.device) -> Prepared:
-    """The default, with each copy-engine collective's barriers and copies launched one by one at every call instead
-    of replayed as a CUDA graph captured once per place (``lowering/_streams.replayed``): that replay's A/B."""
-    prepared = _fsdp_compile(({}, {}), model, device)
-    return dataclasses.replace(prepared, context=partial(mock.patch.object, _streams, "MAX_REPLAYED", 0))
-
-
 def fsdp_compile_hsdp(model: Llama, device: torch.device) -> Prepared:
     _shard(model, mesh=_hsdp_mesh(device))
     return dataclasses.replace(_compiled(model, {}), replicas=2)
@@ -331,7 +320,6 @@ SYSTEMS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
     "fsdp2_compile": partial(fsdp2_eager, compile_blocks=True),
     "simplefsdp": simplefsdp,
     **{name: partial(_fsdp_compile, options) for name, options in FSDP_COMPILE_VARIANTS.items()},
-    "fsdp_compile_not_replayed": fsdp_compile_not_replayed,
     "fsdp2_compile_hsdp": partial(fsdp2_eager, compile_blocks=True, hsdp=True),
     "fsdp_compile_hsdp": fsdp_compile_hsdp,
 }

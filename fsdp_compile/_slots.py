@@ -50,10 +50,6 @@ class Slab:
     slots: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     """(byte offset, numel, dtype) -> the slot's tensor."""
     _views: dict[tuple[str, int, int, torch.dtype], Any] = field(default_factory=dict)
-    replays: dict[Any, Any] = field(default_factory=dict)
-    """The copy-engine collectives' side-stream work on this slab, per place, as CUDA graphs
-    (``fsdp_compile.lowering._streams.replayed``): they hold its addresses and its barriers' signal pads, so they
-    live as long as it."""
 
     def pulls(self, gathered: torch.Tensor, group_size: int) -> tuple[torch.Tensor, list[tuple[Any, torch.Tensor]]]:
         """For an all-gather's output ``gathered`` in this (symmetric) slab: this rank's part of it, and (the peer's

@@ -5,8 +5,6 @@ collective.
 
 * :func:`on_side_stream`: symmetric memory's side stream made current, after the compute stream's work so far.
 * :func:`copy_in_turn`: the peer copies, one after another on the side stream.
-* :func:`replayed`: a collective's side-stream work (barriers and copies) captured once per place into a CUDA
-  graph and replayed: one launch instead of a barrier kernel and a memcpy per peer (5-15 µs of host time each).
 * :func:`record_done` ends a copy-engine collective into a slot (on the side stream); the op
   ``fsdp_compile::wait_copy_engine(out, keep)`` is the graph's wait for it: the compute stream waits for the event
   recorded last for ``out``'s place. One event per place (device, address): a collective into a slot is issued
@@ -18,17 +16,13 @@ collective.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Iterator
 
 import torch
 
 from fsdp_compile._internals import step_ops, symm_mem
 
-__all__ = ["WAIT_COPY_ENGINE", "copy_in_turn", "on_side_stream", "record_done", "replayed", "wait_copy_engine"]
-
-MAX_REPLAYED = 4096
-"""Places per graph cache (a slab's) past which :func:`replayed` runs new work as is: a source that moves at every
-step (a gradient Inductor allocates somewhere else each time) would otherwise add a capture per step."""
+__all__ = ["WAIT_COPY_ENGINE", "copy_in_turn", "on_side_stream", "record_done", "wait_copy_engine"]
 
 _side: dict[int, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
 """Per device: symmetric memory's backend stream, and the event that forks it from the compute stream."""
@@ -61,33 +55,6 @@ def copy_in_turn(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     (benchmarks/NOTES.md, experiment 23); and one stream costs no events to fork and join."""
     for dst, src in pairs:
         dst.copy_(src)
-
-
-def replayed(graphs: dict[Hashable, torch.cuda.CUDAGraph | None], key: Hashable, work: Callable[[], None]) -> None:
-    """``work()``: CUDA work on the current (side) stream that is the same at every call with ``key`` (the
-    addresses it reads and writes; no allocation, no host-side effect), run as is at its first call (the kernels
-    load), captured into a CUDA graph kept in ``graphs`` at its second, and that graph replayed from then on: one
-    graph launch instead of ``work``'s launches (a copy-engine all-gather over 4 ranks: two barrier kernels and
-    three memcpys, 5-15 µs of host time each; ``benchmarks/ce_host_cost.py``). As is while the stream is being
-    captured (the step's own CUDA graph then holds the work) and past ``MAX_REPLAYED`` places. The capture is
-    this thread's only (``thread_local``): the other threads' CUDA calls (NCCL's watchdog) go on meanwhile."""
-    if torch.cuda.is_current_stream_capturing() or (key not in graphs and len(graphs) >= MAX_REPLAYED):
-        work()
-        return
-    if key not in graphs:
-        graphs[key] = None
-        work()
-        return
-    graph = graphs[key]
-    if graph is None:
-        graph = torch.cuda.CUDAGraph()
-        graph.capture_begin(capture_error_mode="thread_local")
-        try:
-            work()
-        finally:
-            graph.capture_end()
-        graphs[key] = graph
-    graph.replay()
 
 
 def record_done(out: torch.Tensor) -> None:

@@ -25,10 +25,7 @@ How an all-gather into a slot runs (``all_gather_into_slot_copy_engine``), on ``
    rank's part any more: the slot's next occupant may be written once this all-gather is waited for), an
    event recorded (made once per slot: ``lowering/_streams.py``); the graph's ``wait_copy_engine`` makes the
    compute stream wait for it: the side stream forks from the compute stream and joins it at the wait (what
-   CUDA-graph capture needs). The barriers and copies are the same at every step (they read and write the slot's
-   place and the peers' views of it): from its second call on, each collective's side-stream work is one CUDA graph,
-   captured once and replayed (``_streams.replayed``), so its host time is a graph launch, not a launch per
-   barrier and peer.
+   CUDA-graph capture needs).
 How a gradient exchange into a slot runs (``exchange_into_slot_copy_engine``; the memory plan put the peers'
 parts of the exchange's output, in rank order, in a slot of the symmetric slab, and the local sum reads this
 rank's own part from the gradient: ``exchange_into_slot``): on the side stream, after the compute stream, a
@@ -71,7 +68,7 @@ from fsdp_compile._slots import (
     slab_of,
 )
 from fsdp_compile.debug import degraded
-from fsdp_compile.lowering._streams import WAIT_COPY_ENGINE, copy_in_turn, on_side_stream, record_done, replayed
+from fsdp_compile.lowering._streams import WAIT_COPY_ENGINE, copy_in_turn, on_side_stream, record_done
 
 __all__ = [
     "LowerToSymmMem",
@@ -155,15 +152,11 @@ def copy_between_slabs(slab: Slab, pairs: list[tuple[torch.Tensor, torch.Tensor]
     """The side-stream part of a copy-engine collective into the slot ``out`` of ``slab``: a barrier (every rank
     is here: its part in place, its slot free), ``dst.copy_(src)`` for the (dst, src) ``pairs`` (to or from the
     peers' slabs, in ring order), a barrier (every copy into or out of this rank's slab is done), the event that
-    ``wait_copy_engine(out, ...)`` waits for. The barriers and copies are replayed as a CUDA graph captured once
-    per place (``_streams.replayed``: the addresses they read and write are the key)."""
-    def work() -> None:
+    ``wait_copy_engine(out, ...)`` waits for."""
+    with on_side_stream():
         slab.handle.barrier()
         copy_in_turn(pairs)
         slab.handle.barrier()
-
-    with on_side_stream():
-        replayed(slab.replays, tuple(t.data_ptr() for pair in pairs for t in pair), work)
         record_done(out)
 
 
