@@ -77,9 +77,13 @@ def main() -> None:
     def nccl() -> None:
         c10d.wait_tensor(c10d.all_gather_into_tensor(shard, world, group))
 
-    def barrier() -> None:
+    def barrier_kernel() -> None:
         with torch.cuda.stream(side):
             slab.handle.barrier()
+
+    def barrier() -> None:
+        with torch.cuda.stream(side):
+            slab.barrier()
 
     def copies() -> None:
         with torch.cuda.stream(side):
@@ -104,7 +108,8 @@ def main() -> None:
         "all_gather_into_slot_copy_engine + wait": gather,
         "exchange_into_slot_copy_engine + wait": exchange,
         "NCCL all_gather_into_tensor + wait": nccl,
-        "barrier (side stream)": barrier,
+        "barrier kernel (side stream)": barrier_kernel,
+        "Slab.barrier (side stream; stream memory operations if the driver has them)": barrier,
         f"copy_in_turn ({world - 1} peer copies) + join": copies,
         "register_work + wait_tensor (the workspace route's wait)": register,
         "record_done + wait_copy_engine (the slots' wait)": record,

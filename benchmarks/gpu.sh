@@ -33,6 +33,8 @@
 # published table: batch 2 x 8192 tokens, selective checkpointing), one call each:
 #   NPROC=8 OUT=/tmp/out TESTS=0 TOKENS=4096 SYSTEMS="no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile fsdp2_compile_hsdp fsdp_compile_hsdp" bash benchmarks/gpu.sh
 #   NPROC=8 OUT=/tmp/out TESTS=0 TOKENS=16384 TAG=8b_8gpu SYSTEMS="fsdp2_compile fsdp_compile fsdp_compile_hsdp" BENCH_ARGS="--model 8.8b --checkpoint selective --seq-cap 8192 --steps 5 --warmup 2 --split-steps 1 --profile-steps 1" bash benchmarks/gpu.sh
+# TORCHRUN_ARGS: more torchrun options for train_bench.py, e.g. TORCHRUN_ARGS="--numa-binding node" (each rank on
+# the CPUs of its GPU's NUMA node; torch 2.9+, needs numactl).
 # SYSTEMS defaults to the headline's: the no-communication bound, FSDP2 eager, FSDP2 + compile, fsdp_compile.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -105,7 +107,7 @@ if [ "${BENCH:-1}" = 1 ]; then
     rm -rf "$traces"; BENCH_ARGS="${BENCH_ARGS:-} --trace-dir $traces"
     [ "$TRACE" = kernels ] && BENCH_ARGS="$BENCH_ARGS --trace-kernels-only"
   fi
-  torchrun --nproc_per_node "$NPROC" benchmarks/train_bench.py --tokens $TOKENS --repeats "$REPEATS" --systems $SYSTEMS \
+  torchrun --nproc_per_node "$NPROC" ${TORCHRUN_ARGS:-} benchmarks/train_bench.py --tokens $TOKENS --repeats "$REPEATS" --systems $SYSTEMS \
     ${BENCH_ARGS:-} --out "$OUT/bench_$tag.json" >"$OUT/bench_$tag.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "train_bench exit $rc (1: a guard failed, see the log)"; status=1; }
   if [ "$TRACE" != 0 ]; then

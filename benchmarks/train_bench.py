@@ -28,6 +28,8 @@ projection, which backward needs first, is not resharded after forward):
   ``fsdp_compile_copy_engine_exchange`` (``all_gather="copy_engine", grad_reduce="copy_engine"``: no collective
   on the SMs; GPU only) and ``fsdp_compile_keep_gathered`` (``reshard_after_forward=False`` for every unit: no
   all-gather in backward, the gathered parameters held from forward to backward).
+- ``fsdp_compile_barrier_kernels``: the default with the copy-engine collectives' barriers as symmetric memory's
+  barrier kernels, not the driver's stream memory operations (GPU only: their A/B).
 - HSDP as on two nodes, on a ``(replicate, shard)`` mesh of shape (2, ranks / 2) (4 ranks or more; left out of
   the defaults below): ``fsdp2_compile_hsdp`` (``fsdp2_compile`` with ``fully_shard(mesh=...)``) and
   ``fsdp_compile_hsdp`` (``shard(mesh=...)``).
@@ -84,6 +86,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -106,6 +109,7 @@ from torch.utils.checkpoint import (
 )
 
 import fsdp_compile
+from fsdp_compile._internals import stream_memops
 from fsdp_compile.testing.dist import gloo_one_worker_thread, hsdp_mesh
 from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_8B, LLAMA_TINY, Llama, LlamaConfig, save_matmuls
 from fsdp_compile.testing.profile import communication_overlap, trace_steps
@@ -154,7 +158,7 @@ FSDP_COMPILE_VARIANTS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 (every unit stays gathered from forward to backward: ``reshard_after_forward=False``, no all-gather in
 backward) and ``MixedPrecision(**options)`` beyond bf16/fp32). Add one line per new variant."""
 GPU_ONLY = {name for name, (options, _) in FSDP_COMPILE_VARIANTS.items()
-            if {"all_gather", "grad_reduce"} & set(options)}
+            if {"all_gather", "grad_reduce"} & set(options)} | {"fsdp_compile_barrier_kernels"}
 """Left out of the default systems on CPU: the variants that name a route (copy-engine collectives need GPUs; on
 CPU the default, ``auto``, is gloo, so an ``nccl`` variant is the ``fsdp_compile`` row again)."""
 KEEP_GATHERED = {name for name, (_, shard_options) in FSDP_COMPILE_VARIANTS.items()
@@ -308,6 +312,13 @@ def _fsdp_compile(options: tuple[dict[str, Any], dict[str, Any]], model: Llama, 
     return _compiled(model, backend_options)
 
 
+def fsdp_compile_barrier_kernels(model: Llama, device: torch.device) -> Prepared:
+    """The default, with the copy-engine collectives' barriers as symmetric memory's barrier kernels (which spin on
+    an SM while they wait) instead of stream memory operations (``fsdp_compile._slots.Slab.barrier``): their A/B."""
+    prepared = _fsdp_compile(({}, {}), model, device)
+    return dataclasses.replace(prepared, context=partial(mock.patch.object, stream_memops, "available", lambda: False))
+
+
 def fsdp_compile_hsdp(model: Llama, device: torch.device) -> Prepared:
     _shard(model, mesh=_hsdp_mesh(device))
     return dataclasses.replace(_compiled(model, {}), replicas=2)
@@ -320,6 +331,7 @@ SYSTEMS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
     "fsdp2_compile": partial(fsdp2_eager, compile_blocks=True),
     "simplefsdp": simplefsdp,
     **{name: partial(_fsdp_compile, options) for name, options in FSDP_COMPILE_VARIANTS.items()},
+    "fsdp_compile_barrier_kernels": fsdp_compile_barrier_kernels,
     "fsdp2_compile_hsdp": partial(fsdp2_eager, compile_blocks=True, hsdp=True),
     "fsdp_compile_hsdp": fsdp_compile_hsdp,
 }

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compile import _internals
-from fsdp_compile._internals import lifetime, step_ops, symm_mem
+from fsdp_compile._internals import lifetime, step_ops, stream_memops, symm_mem
 
 __all__ = [
     "EXCHANGE_INTO_SLOT", "INTO_SLOT", "SLOT", "Slab", "WAIT_EXCHANGE", "all_gather_into_slot",
@@ -42,14 +42,49 @@ def ring_order(rank: int, group_size: int) -> list[int]:
 
 
 @dataclass
+class Signals:
+    """A symmetric slab's barrier counters (after its slots, ``world`` 64-bit counters on every rank: rank ``r``'s
+    counter in rank ``p``'s memory is how many barriers ``r`` has reached, written by ``r``), as device
+    addresses, the peers in ring order."""
+
+    mine: list[int]
+    """The peers' counters in this rank's memory: what its barriers wait on."""
+    theirs: list[int]
+    """This rank's counter in each peer's memory: what its barriers write."""
+    reached: int = 0
+    """Barriers this rank has reached (every rank reaches the same ones: they run the same graphs)."""
+
+
+@dataclass
 class Slab:
     memory: torch.Tensor
     """1-D ``uint8``."""
     handle: Any | None
     """The symmetric-memory handle (peers' buffers, barriers), or None for plain memory."""
+    signals: Signals | None = None
+    """A symmetric slab's counters for :meth:`barrier`, where the driver has stream memory operations."""
     slots: dict[tuple[int, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     """(byte offset, numel, dtype) -> the slot's tensor."""
     _views: dict[tuple[str, int, int, torch.dtype], Any] = field(default_factory=dict)
+
+    def barrier(self) -> None:
+        """On the current stream, every rank of the (symmetric) slab's group waits until all have come here. With
+        the driver's stream memory operations (``_internals.stream_memops``), each rank writes the number of
+        barriers it has reached into its counter in every peer's memory, then waits until every peer's counter in
+        its own memory is as high: the GPU's front end waits, no SM does (symmetric memory's barrier kernel spins
+        on one, slowing the matmuls beside it: 1.10x on the ranks that waited for a late one over 4 H200s;
+        benchmarks/NOTES.md, experiment 25). The barrier kernel while the stream is being captured (a CUDA graph
+        would replay the same numbers) or without stream memory operations."""
+        signals = self.signals
+        if signals is None or torch.cuda.is_current_stream_capturing():
+            self.handle.barrier()
+            return
+        signals.reached += 1
+        stream = torch.cuda.current_stream().cuda_stream
+        for address in signals.theirs:
+            stream_memops.write(stream, address, signals.reached)
+        for address in signals.mine:
+            stream_memops.wait_at_least(stream, address, signals.reached)
 
     def pulls(self, gathered: torch.Tensor, group_size: int) -> tuple[torch.Tensor, list[tuple[Any, torch.Tensor]]]:
         """For an all-gather's output ``gathered`` in this (symmetric) slab: this rank's part of it, and (the peer's
@@ -106,15 +141,33 @@ def reserve_slab(group_name: str, device: torch.device, nbytes: int, symmetric: 
             _retired.append(slab)
         nbytes = max(nbytes, slab.memory.numel())
 
-    def allocate() -> tuple[torch.Tensor, Any]:
-        if symmetric:
-            return symm_mem.slab(group_name, device, nbytes)
-        return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+    def allocate() -> Slab:
+        if not symmetric:
+            return Slab(torch.empty(nbytes, dtype=torch.uint8, device=device), None)
+        if not stream_memops.available():
+            return Slab(*symm_mem.slab(group_name, device, nbytes))
+        start = -(-nbytes // 8) * 8  # the counters, after the slots, 8-byte aligned
+        memory, handle = symm_mem.slab(group_name, device, start + 8 * _internals.group_named(group_name).size())
+        return Slab(memory[:nbytes], handle, _signals(handle, start // 8))
 
-    memory, handle = _internals.outside_graph_pools(device, allocate)
-    _slabs[key] = slab = Slab(memory, handle)
+    _slabs[key] = slab = _internals.outside_graph_pools(device, allocate)
     lifetime.before_destroy("slabs", _drop_slabs)
     return slab
+
+
+def _signals(handle: Any, start: int) -> Signals:
+    """The counters at ``start`` (in 8-byte words) of a symmetric slab, zeroed on every rank before any rank
+    writes into a peer's (a barrier kernel, with the GPU idle before and after: a slab is made once, when the
+    backend compiles or at a graph's first run)."""
+    rank, world = handle.rank, handle.world_size
+    counters = [handle.get_buffer(peer, (world,), torch.int64, start) for peer in range(world)]
+    counters[rank].zero_()
+    torch.cuda.synchronize()
+    handle.barrier()
+    torch.cuda.synchronize()
+    peers = ring_order(rank, world)
+    return Signals(mine=[counters[rank][peer].data_ptr() for peer in peers],
+                   theirs=[counters[peer][rank].data_ptr() for peer in peers])
 
 
 def release_slabs() -> None:

@@ -13,8 +13,9 @@ arguments, and its ``wait_exchange(out, gradient)`` is ``wait_copy_engine(out, g
 
 Why: NCCL's all-gather kernels hold SMs (24 on H100) while they run, and the matmuls that the overlap
 schedule puts beside them run slower for it (NCCL's all-to-alls in backward too). A copy-engine collective
-moves the bytes with the GPU's copy engines (peer-to-peer memcpy over NVLink) and uses SMs only for two
-one-block barrier kernels.
+moves the bytes with the GPU's copy engines (peer-to-peer memcpy over NVLink), and into a slot uses no SM: its
+two barriers are the driver's stream memory operations (``Slab.barrier``: the GPU's front end waits for the
+peers), or one-block barrier kernels where the driver lacks them or a CUDA graph is being captured.
 
 How an all-gather into a slot runs (``all_gather_into_slot_copy_engine``), on ``w`` ranks, with no staging:
 1. compute stream: copy (and cast) the shard into this rank's part of the slot; peers read it from there.
@@ -154,9 +155,9 @@ def copy_between_slabs(slab: Slab, pairs: list[tuple[torch.Tensor, torch.Tensor]
     peers' slabs, in ring order), a barrier (every copy into or out of this rank's slab is done), the event that
     ``wait_copy_engine(out, ...)`` waits for."""
     with on_side_stream():
-        slab.handle.barrier()
+        slab.barrier()
         copy_in_turn(pairs)
-        slab.handle.barrier()
+        slab.barrier()
         record_done(out)
 
 

@@ -317,3 +317,40 @@ def test_an_exchange_without_a_slot_stays_on_nccl_and_is_counted(scheduled: dict
     plan = plan_symm_mem(scheduled["backward"].graph, all_gather=False, grad_reduce=True)
     assert plan == SymmMemPlan(gathers=(), workspace_bytes=0)
     assert counters["fsdp_compile"]["copy_engine_exchanges_left_on_nccl"] == 1
+
+
+def _slab_barriers(rank: int, world_size: int) -> None:
+    """Stream-memory-operation barriers on a symmetric slab: each rank writes its part, a barrier, reads the
+    peers' parts (what an all-gather into a slot relies on), at every round; the counters then all equal the
+    number of barriers; a barrier under CUDA-graph capture is the kernel (the counters do not move)."""
+    import torch.distributed as dist
+
+    from fsdp_compile import _slots
+
+    group, device = dist.group.WORLD.group_name, torch.device("cuda", rank)
+    slab = _slots.reserve_slab(group, device, 4096, symmetric=True, keep_old=False)
+    assert slab.signals is not None, "the driver should have stream memory operations (CUDA 12+)"
+    parts = [slab.handle.get_buffer(peer, (world_size, 256), torch.float32) for peer in range(world_size)]
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        for round in range(20):
+            parts[rank][rank].fill_(100 * round + rank)
+            slab.barrier()
+            seen = [parts[peer][peer].clone() for peer in range(world_size)]
+            slab.barrier()  # nobody writes round + 1 before every peer has read round
+            for peer, part in enumerate(seen):
+                assert torch.all(part == 100 * round + peer), (round, peer)
+        torch.cuda.synchronize()
+    counters = slab.handle.get_buffer(rank, (world_size,), torch.int64, slab.memory.numel() // 8).tolist()
+    assert slab.signals.reached == 40 and counters == [0 if peer == rank else 40 for peer in range(world_size)]
+    with torch.cuda.graph(torch.cuda.CUDAGraph()):
+        slab.barrier()
+    assert slab.signals.reached == 40
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+def test_slab_barriers_wait_for_every_peer() -> None:
+    from fsdp_compile.testing.dist import spawn_ranks
+
+    spawn_ranks(_slab_barriers, 2, backend="nccl")
