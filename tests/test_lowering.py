@@ -354,3 +354,54 @@ def test_slab_barriers_wait_for_every_peer() -> None:
     from fsdp_compile.testing.dist import spawn_ranks
 
     spawn_ranks(_slab_barriers, 2, backend="nccl")
+
+
+class _FakeHandle:
+    """A symmetric-memory handle over CPU tensors, one per rank, for the barrier's bookkeeping."""
+
+    def __init__(self, rank: int, world_size: int, nbytes: int) -> None:
+        self.rank, self.world_size, self.barriers = rank, world_size, 0
+        self.buffers = [torch.full((nbytes,), 7, dtype=torch.uint8) for _ in range(world_size)]
+
+    def get_buffer(self, peer: int, shape: tuple[int, ...], dtype: torch.dtype, offset: int) -> torch.Tensor:
+        words = self.buffers[peer].view(dtype)
+        return words[offset : offset + shape[0]]
+
+    def barrier(self) -> None:
+        self.barriers += 1
+
+
+def test_slab_barrier_writes_every_peers_counter_then_waits_for_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``Slab.barrier`` with stream memory operations (faked here, on CPU tensors): this rank's counters zeroed,
+    then per barrier its count written into its place in every peer's counters, then a wait on each peer's place
+    in its own, the peers in ring order; the barrier kernel under capture and without counters."""
+    from types import SimpleNamespace
+
+    from fsdp_compile import _slots
+    from fsdp_compile._internals import stream_memops
+
+    calls: list[tuple[str, int, int]] = []
+    monkeypatch.setattr(stream_memops, "write", lambda stream, address, value: calls.append(("write", address, value)))
+    monkeypatch.setattr(stream_memops, "wait_at_least",
+                        lambda stream, address, value: calls.append(("wait", address, value)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: SimpleNamespace(cuda_stream=0))
+    capturing = False
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+
+    rank, world, start = 2, 4, 512  # the counters after 4096 bytes of slots
+    handle = _FakeHandle(rank, world, 4096 + 8 * world)
+    slab = _slots.Slab(handle.buffers[rank][:4096], handle, _slots._signals(handle, start))
+    counters = [handle.get_buffer(peer, (world,), torch.int64, start) for peer in range(world)]
+    assert counters[rank].tolist() == [0] * world and handle.barriers == 1  # zeroed, then every rank met
+    assert counters[0].tolist() != [0] * world  # a peer's counters are the peer's to zero
+    slab.barrier()
+    slab.barrier()
+    peers = [3, 0, 1]  # ring order from rank 2
+    place = [(kind, peer) for kind in ("write", "wait") for peer in peers]
+    expected = [(kind, (counters[peer][rank] if kind == "write" else counters[rank][peer]).data_ptr(), reached)
+                for reached in (1, 2) for kind, peer in place]
+    assert calls == expected
+    capturing = True
+    slab.barrier()
+    assert handle.barriers == 2 and len(calls) == len(expected) and slab.signals.reached == 2
