@@ -315,7 +315,7 @@ def _fsdp_compile(options: tuple[dict[str, Any], dict[str, Any]], model: Llama, 
 def fsdp_compile_barrier_kernels(model: Llama, device: torch.device) -> Prepared:
     """The default, with the copy-engine collectives' barriers as symmetric memory's barrier kernels (which spin on
     an SM while they wait) instead of stream memory operations (``fsdp_compile._slots.Slab.barrier``): their A/B."""
-    prepared = _fsdp_compile(({}, {}), model, device)
+    prepared = _fsdp_compile(FSDP_COMPILE_VARIANTS["fsdp_compile"], model, device)
     return dataclasses.replace(prepared, context=partial(mock.patch.object, stream_memops, "available", lambda: False))
 
 
