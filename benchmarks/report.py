@@ -67,6 +67,8 @@ class Result:
     compute_ms: float | None = None
     idle_ms: float | None = None
     cpu_ms: float | None = None
+    """Host time to enqueue a step (median over the timed steps), on the slowest rank: the one every collective
+    waits for (each rank's in ``extra["host_ms_per_rank"]``)."""
     tokens_per_s_per_gpu: float = 0.0
     mfu: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -242,7 +244,7 @@ def table(results: list[Result]) -> Iterator[str]:
            "the headline; rows with CUDA graphs against the bound with CUDA graphs where the run has it. Compute "
            "slowdown: (fwd+bwd - exposed comm) / the bound's fwd+bwd. peak GiB: the allocator's peak plus symmetric "
            "slabs; (n/c): not comparable, CUDA graphs' pool not counted; reserved GiB counts it. slabs MiB: the "
-           "memory plan's (what the planner sized).")
+           "memory plan's (what the planner sized). host ms: the slowest rank's time to enqueue a step.")
 
 
 def _auto_against_fixed_routes(point: Point) -> Iterator[str]:

@@ -46,10 +46,11 @@ what the previous system left allocated: none, unless ``leftover_after_gib`` in 
 the memory-plan slabs in symmetric memory, the driver's memory, which the caching allocator does not count;
 marked not comparable under CUDA graphs, whose pool it leaves out) and ``max_memory_reserved`` (which counts
 that pool); the memory plan's slabs (``fsdp_compile.slab_bytes()``: what the planner sized, made afresh for
-each system); host time to enqueue a step (close to the step time: launch-bound); from a profiler trace of
---profile-steps more steps (``trace_steps``: after a barrier and one untraced warm-up step):
-communication (time NCCL kernels, peer-to-peer copies or the copy-engine collectives' barriers run), exposed
-communication (of that, the time no other kernel runs), compute (other kernels and copies), GPU idle time, and
+each system); host time to enqueue a step on the slowest rank (close to the step time: launch-bound; every
+rank's in the JSON's ``host_ms_per_rank``); from a profiler trace of --profile-steps more steps
+(``trace_steps``: after a barrier and one untraced warm-up step): communication (time NCCL kernels,
+peer-to-peer copies or the copy-engine collectives' barriers run), exposed communication (of that, the time
+no other kernel runs), compute (other kernels and copies), GPU idle time, and
 the compute slowdown ((forward+backward - exposed communication) / the bound's forward+backward); compile time
 (first step minus the median; the JSON's ``caches`` says how many of its graphs came from Inductor's and AOTAutograd's
 caches). ``--trace-dir`` keeps each trace (``benchmarks/trace_summary.py`` reads them); it traces
@@ -484,7 +485,10 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, repeat: int, args: ar
         result.sharded_opt_ms = _sharded_optimizer_ms(prepared.params, args.split_steps, device)
     result.peak_comparable = name not in CUDA_GRAPHS
     result.median_step_ms = statistics.median(result.step_ms[args.warmup :])
-    result.cpu_ms = statistics.median(enqueue_ms[args.warmup :])
+    host_ms = [0.0] * dist.get_world_size()  # the slowest rank's host paces every collective
+    dist.all_gather_object(host_ms, statistics.median(enqueue_ms[args.warmup :]))
+    result.cpu_ms = max(host_ms)
+    result.extra["host_ms_per_rank"] = host_ms
     result.compile_s = max(0.0, (result.step_ms[0] - result.median_step_ms) / 1e3)
     result.tokens_per_s_per_gpu = batch * seq / (result.median_step_ms / 1e3)
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
