@@ -83,7 +83,7 @@ import statistics
 import tempfile
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
@@ -356,6 +356,36 @@ def _flops_per_token(cfg: LlamaConfig, seq: int) -> float:
     return 6 * matmul_params + 12 * cfg.n_layers * cfg.dim * seq
 
 
+class _Collections:
+    """A ``gc.callbacks`` entry: Python's garbage collections while it is registered, how many of each generation
+    and their time (the host's, inside the steps it pauses)."""
+
+    def __init__(self) -> None:
+        self.count, self.ms, self._start = [0, 0, 0], 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.count[info["generation"]] += 1
+            self.ms += (time.perf_counter() - self._start) * 1e3
+
+
+@contextlib.contextmanager
+def _garbage_collection(mode: str) -> Iterator[None]:
+    """``auto``: Python's automatic collections. ``manual``: torchtitan's practice, none during the steps (one of
+    the young generations before them), automatic again after."""
+    if mode == "auto":
+        yield
+        return
+    gc.collect(1)
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.enable()
+
+
 def _release(device: torch.device) -> int:
     """Drop compiled code, memory-plan slabs and garbage from the previous system (each system reserves slabs of
     its own, and its peak counts them); the bytes still allocated after that."""
@@ -424,12 +454,14 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, repeat: int, args: ar
     prepared = SYSTEMS[name](model, device)
     opt = _optimizer(prepared.params, device)
     result = Result(system=name, tokens_per_gpu=batch * seq, batch=batch, seq=seq, repeat=repeat, losses=[], step_ms=[])
-    enqueue_ms, split_ms = [], []
+    enqueue_ms, split_ms, marks, phases_ms = [], [], [], []
 
     def forward_backward(i: int) -> torch.Tensor:
         tokens = _batch(cfg, batch, seq, i, device)
         loss = prepared.module(tokens[:, :-1], tokens[:, 1:])
+        marks.append(time.perf_counter())
         loss.backward()
+        marks.append(time.perf_counter())
         return loss.detach().clone()  # a CUDA graph's next replay overwrites its outputs
 
     def step(i: int) -> torch.Tensor:
@@ -440,19 +472,25 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, repeat: int, args: ar
         opt.zero_grad()
         return loss
 
-    with prepared.context():
+    collections = _Collections()
+    with prepared.context(), _garbage_collection(args.gc):
         for i in range(args.steps):
-            if i == args.warmup and device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
+            if i == args.warmup:
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                gc.callbacks.append(collections)
             _sync(device)
+            marks.clear()
             start = time.perf_counter()
             loss = step(i)
             enqueue_ms.append((time.perf_counter() - start) * 1e3)
+            phases_ms.append(((marks[0] - start) * 1e3, (marks[1] - marks[0]) * 1e3))
             _sync(device)
             result.step_ms.append((time.perf_counter() - start) * 1e3)
             global_loss = loss.float()
             dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
             result.losses.append(global_loss.item())
+        gc.callbacks.remove(collections)
         result.slab_mib = fsdp_compile.slab_bytes() / 2**20
         if device.type == "cuda":
             symmetric = fsdp_compile.slab_bytes(symmetric=True)  # the driver's memory: not in the allocator's peak
@@ -485,10 +523,17 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, repeat: int, args: ar
         result.sharded_opt_ms = _sharded_optimizer_ms(prepared.params, args.split_steps, device)
     result.peak_comparable = name not in CUDA_GRAPHS
     result.median_step_ms = statistics.median(result.step_ms[args.warmup :])
-    host_ms = [0.0] * dist.get_world_size()  # the slowest rank's host paces every collective
-    dist.all_gather_object(host_ms, statistics.median(enqueue_ms[args.warmup :]))
-    result.cpu_ms = max(host_ms)
-    result.extra["host_ms_per_rank"] = host_ms
+    timed = args.steps - args.warmup
+    host = [None] * dist.get_world_size()  # the slowest rank's host paces every collective
+    dist.all_gather_object(host, {
+        "host_ms_per_rank": statistics.median(enqueue_ms[args.warmup :]),
+        "host_forward_ms_per_rank": statistics.median(f for f, _ in phases_ms[args.warmup :]),
+        "host_backward_ms_per_rank": statistics.median(b for _, b in phases_ms[args.warmup :]),
+        "gc_ms_per_step_per_rank": collections.ms / timed,
+        "gc_collections_per_step_per_rank": [n / timed for n in collections.count],
+    })
+    result.extra.update({key: [rank[key] for rank in host] for key in host[0]})
+    result.cpu_ms = max(result.extra["host_ms_per_rank"])
     result.compile_s = max(0.0, (result.step_ms[0] - result.median_step_ms) / 1e3)
     result.tokens_per_s_per_gpu = batch * seq / (result.median_step_ms / 1e3)
     peak = next((v for k, v in PEAK_BF16_FLOPS.items() if device.type == "cuda" and k in torch.cuda.get_device_name(device)), None)
@@ -535,6 +580,7 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "warmup": args.warmup,
         "split_steps": args.split_steps,
         "repeats": args.repeats,
+        "gc": args.gc,
         "loss_rtol": LOSS_RTOL,
         "grad_rtol": GRAD_RTOL,
     }
@@ -556,6 +602,8 @@ def main() -> None:
     parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS),
                         help="default: all but KEEP_GATHERED (on CPU: and GPU_ONLY)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every system per point, interleaved (headlines: 3)")
+    parser.add_argument("--gc", choices=("auto", "manual"), default="auto",
+                        help="Python's garbage collection during the steps: automatic, or none (torchtitan's gc_freq)")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of timing and peak memory")
     parser.add_argument("--split-steps", type=int, default=3,

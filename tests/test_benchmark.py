@@ -5,6 +5,7 @@ bounds, and the plots are drawn from its JSON."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import os
 import subprocess
@@ -68,6 +69,15 @@ def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]
     slabs = {r["system"]: r["slab_mib"] for r in data["results"]}
     assert all(slabs[s] > 0 for s in systems if s.startswith("fsdp_compile") and s != "fsdp_compile_unplanned"), slabs
     assert slabs["fsdp_compile_unplanned"] == slabs["fsdp2_eager"] == 0, slabs
+    # Host time per rank (the table's is the slowest rank's), split into forward and backward, and the garbage
+    # collections during the steps.
+    for r in data["results"]:
+        per_rank = {k: v for k, v in r["extra"].items() if k.endswith("_per_rank")}
+        assert set(per_rank) == {"host_ms_per_rank", "host_forward_ms_per_rank", "host_backward_ms_per_rank",
+                                 "gc_ms_per_step_per_rank", "gc_collections_per_step_per_rank"}, r["extra"]
+        assert all(len(v) == 2 for v in per_rank.values()) and r["cpu_ms"] == max(per_rank["host_ms_per_rank"])
+        assert all(f + b <= h for f, b, h in zip(per_rank["host_forward_ms_per_rank"],
+                                                 per_rank["host_backward_ms_per_rank"], per_rank["host_ms_per_rank"]))
     assert "| peak GiB | slabs MiB | reserved GiB |" in proc.stdout
     # The second run of each of the library's systems compiles from Inductor's FX graph cache (a pass whose
     # cache key changed from one model to the next would compile every time: ~30 s a system on GPUs).
@@ -140,6 +150,22 @@ def test_without_fsdp2_eager_or_the_bound_fsdp2_compile_is_the_reference_and_the
     lines = list(table(results))
     assert "1 run(s); no bound in this run" in lines[0] and "| vs fsdp2_compile |" in lines[1]
     assert lines[3].startswith("| fsdp2_compile | 10.0 (10.0-10.0) | n/a | n/a | 1.00x |"), lines[3]
+
+
+def test_manual_garbage_collection_runs_none_during_the_steps_and_is_counted() -> None:
+    from train_bench import _Collections, _garbage_collection
+
+    collections = _Collections()
+    gc.callbacks.append(collections)
+    try:
+        with _garbage_collection("manual"):
+            assert not gc.isenabled()
+        assert gc.isenabled()
+        before = list(collections.count)
+        gc.collect(1)
+    finally:
+        gc.callbacks.remove(collections)
+    assert collections.count[1] == before[1] + 1 and collections.ms > 0
 
 
 def _compiled_block_backward_matmuls(cfg: LlamaConfig) -> tuple[int, int]:
