@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from fsdp_compile import _slots
-from fsdp_compile._internals import symm_mem
+from fsdp_compile._internals import cuda_driver, symm_mem
 from fsdp_compile.lowering import _streams
 
 PART_NUMEL = 512 * 1024  # bf16: 1 MiB per rank
@@ -64,7 +64,9 @@ def main() -> None:
     gradient = torch.randn(numel, device=device, dtype=torch.bfloat16)
     ops, c10d = torch.ops.fsdp_compile, torch.ops._c10d_functional
     side, compute = symm_mem.backend_stream(), torch.cuda.current_stream()
-    pairs = slab.pulls(out, world)[1]
+    pulls = slab.pulls(out, world)[1]
+    pairs = [(out.view(world, -1)[peer], slab.handle.get_buffer(peer, (PART_NUMEL,), out.dtype, peer * PART_NUMEL))
+             for peer in _slots.ring_order(rank, world)]  # the same copies as tensors
 
     def gather() -> None:
         ops.all_gather_into_slot_copy_engine(shard, world, group, out)
@@ -82,10 +84,14 @@ def main() -> None:
             slab.handle.barrier()
 
     def barrier() -> None:
-        with torch.cuda.stream(side):
-            slab.barrier()
+        slab.barrier(side)
 
-    def copies() -> None:
+    def driver_copies() -> None:
+        for dst, src, nbytes in pulls:
+            cuda_driver.copy(side.cuda_stream, dst, src, nbytes)
+        compute.wait_stream(side)
+
+    def torch_copies() -> None:
         with torch.cuda.stream(side):
             _streams.copy_in_turn(pairs)
         compute.wait_stream(side)
@@ -95,9 +101,8 @@ def main() -> None:
             symm_mem.register_work(out)
         c10d.wait_tensor(out)
 
-    def record() -> None:
-        with torch.cuda.stream(side):
-            _streams.record_done(out)
+    def fork_and_wait() -> None:
+        _streams.record_done(out, _streams.fork_side(device.index))
         ops.wait_copy_engine(out, None)
 
     def side_stream() -> None:
@@ -110,9 +115,10 @@ def main() -> None:
         "NCCL all_gather_into_tensor + wait": nccl,
         "barrier kernel (side stream)": barrier_kernel,
         "Slab.barrier (side stream; stream memory operations if the driver has them)": barrier,
-        f"copy_in_turn ({world - 1} peer copies) + join": copies,
+        f"{world - 1} peer copies, cuda_driver.copy (side stream) + join": driver_copies,
+        f"{world - 1} peer copies, Tensor.copy_ (side stream: copy_in_turn) + join": torch_copies,
         "register_work + wait_tensor (the workspace route's wait)": register,
-        "record_done + wait_copy_engine (the slots' wait)": record,
+        "fork_side, record_done + wait_copy_engine (the slots' fork and wait)": fork_and_wait,
         "on_side_stream(): pass": side_stream,
         "side.wait_stream(compute)": lambda: side.wait_stream(compute),
         "with torch.cuda.stream(side): pass": _stream_context(side),

@@ -116,10 +116,12 @@ def _into_slot(shard: torch.Tensor, full: torch.Tensor) -> dict[str, Callable[[]
         return slab.handle.get_buffer(peer, (part,), shard.dtype, offset)
 
     def prototype(local: torch.Tensor | None, out: torch.Tensor, pairs: list) -> Callable[[], None]:
-        def run() -> None:  # the default's ops with other copies (``pairs``)
+        copies = [(dst.data_ptr(), src.data_ptr(), src.nbytes) for dst, src in pairs]
+
+        def run() -> None:  # the default's ops with other copies (``pairs``: destination, source)
             if local is not None:
                 mine.copy_(local)
-            copy_between_slabs(slab, pairs, out)
+            copy_between_slabs(slab, copies, out)
             wait_copy_engine(out, local if local is not None else full)
         return run
 

@@ -110,7 +110,7 @@ from torch.utils.checkpoint import (
 )
 
 import fsdp_compile
-from fsdp_compile._internals import stream_memops
+from fsdp_compile._internals import cuda_driver
 from fsdp_compile.testing.dist import gloo_one_worker_thread, hsdp_mesh
 from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_8B, LLAMA_TINY, Llama, LlamaConfig, save_matmuls
 from fsdp_compile.testing.profile import communication_overlap, trace_steps
@@ -317,7 +317,8 @@ def fsdp_compile_barrier_kernels(model: Llama, device: torch.device) -> Prepared
     """The default, with the copy-engine collectives' barriers as symmetric memory's barrier kernels (which spin on
     an SM while they wait) instead of stream memory operations (``fsdp_compile._slots.Slab.barrier``): their A/B."""
     prepared = _fsdp_compile(FSDP_COMPILE_VARIANTS["fsdp_compile"], model, device)
-    return dataclasses.replace(prepared, context=partial(mock.patch.object, stream_memops, "available", lambda: False))
+    no_memops = partial(mock.patch.object, cuda_driver, "has_stream_memops", lambda: False)
+    return dataclasses.replace(prepared, context=no_memops)
 
 
 def fsdp_compile_hsdp(model: Llama, device: torch.device) -> Prepared:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compile import _internals
-from fsdp_compile._internals import lifetime, step_ops, stream_memops, symm_mem
+from fsdp_compile._internals import cuda_driver, lifetime, step_ops, symm_mem
 
 __all__ = [
     "EXCHANGE_INTO_SLOT", "INTO_SLOT", "SLOT", "Slab", "WAIT_EXCHANGE", "all_gather_into_slot",
@@ -67,53 +67,58 @@ class Slab:
     """(byte offset, numel, dtype) -> the slot's tensor."""
     _views: dict[tuple[str, int, int, torch.dtype], Any] = field(default_factory=dict)
 
-    def barrier(self) -> None:
-        """On the current stream, every rank of the (symmetric) slab's group waits until all have come here. With
-        the driver's stream memory operations (``_internals.stream_memops``), each rank writes the number of
-        barriers it has reached into its counter in every peer's memory, then waits until every peer's counter in
-        its own memory is as high: the GPU's front end waits, no SM does (symmetric memory's barrier kernel spins
-        on one, slowing the matmuls beside it: 1.10x on the ranks that waited for a late one over 4 H200s;
-        benchmarks/NOTES.md, experiment 25). The barrier kernel while the stream is being captured (a CUDA graph
-        would replay the same numbers) or without stream memory operations."""
+    def barrier(self, stream: torch.cuda.Stream) -> None:
+        """On ``stream``, every rank of the (symmetric) slab's group waits until all have come here. With the
+        driver's stream memory operations (``_internals.cuda_driver``), each rank writes the number of barriers it
+        has reached into its counter in every peer's memory, then waits until every peer's counter in its own
+        memory is as high: the GPU's front end waits, no SM does (symmetric memory's barrier kernel spins on one,
+        slowing the matmuls beside it: 1.10x on the ranks that waited for a late one over 4 H200s;
+        benchmarks/NOTES.md, experiment 25). The barrier kernel while the current stream is being captured (a
+        CUDA graph would replay the same numbers) or without stream memory operations."""
         signals = self.signals
         if signals is None or torch.cuda.is_current_stream_capturing():
-            self.handle.barrier()
+            with torch.cuda.stream(stream):
+                self.handle.barrier()
             return
         signals.reached += 1
-        stream = torch.cuda.current_stream().cuda_stream
+        raw = stream.cuda_stream
         for address in signals.theirs:
-            stream_memops.write(stream, address, signals.reached)
+            cuda_driver.write(raw, address, signals.reached)
         for address in signals.mine:
-            stream_memops.wait_at_least(stream, address, signals.reached)
+            cuda_driver.wait_at_least(raw, address, signals.reached)
 
-    def pulls(self, gathered: torch.Tensor, group_size: int) -> tuple[torch.Tensor, list[tuple[Any, torch.Tensor]]]:
-        """For an all-gather's output ``gathered`` in this (symmetric) slab: this rank's part of it, and (the peer's
-        part of it, the same part in the peer's slab) for every peer, in ring order: the parts to pull."""
+    def pulls(self, gathered: torch.Tensor, group_size: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """For an all-gather's output ``gathered`` in this (symmetric) slab: this rank's part of it, and for every
+        peer, in ring order, the copy that pulls the peer's part from the same place in the peer's slab: (this
+        rank's address of it, the peer's, bytes)."""
         return self._made_once("pull", gathered, group_size)  # type: ignore[no-any-return]
 
-    def pushes(self, received: torch.Tensor, group_size: int) -> list[tuple[int, torch.Tensor]]:
+    def pushes(self, received: torch.Tensor, group_size: int) -> list[tuple[int, int, int]]:
         """For the peers' parts of an exchange's output, ``received`` in this (symmetric) slab (``group_size - 1``
-        parts, the peers' in rank order): (peer, this rank's part of the same place in the peer's slab) for every
-        peer, in ring order: where this rank's gradient parts go."""
+        parts, the peers' in rank order): for every peer, in ring order, (peer, the address of this rank's part of
+        the same place in the peer's slab, its bytes): where this rank's gradient part for that peer goes."""
         return self._made_once("push", received, group_size)  # type: ignore[no-any-return]
 
     def _made_once(self, way: str, tensor: torch.Tensor, group_size: int) -> Any:
-        """The views of ``pulls`` and ``pushes``, made once per place (the slabs have one layout on every rank):
-        a view costs a few µs of host time at every collective."""
+        """What ``pulls`` and ``pushes`` return, made once per place (the slabs have one layout on every rank):
+        views cost a few µs of host time at every collective."""
         key = (way, tensor.data_ptr() - self.memory.data_ptr(), tensor.numel(), tensor.dtype)
         if key not in self._views:
             start, rank = key[1] // tensor.element_size(), self.handle.rank
             peers = ring_order(rank, group_size)
 
-            def theirs(peer: int, index: int, part: int) -> torch.Tensor:  # part ``index`` of the peer's place
-                return self.handle.get_buffer(peer, (part,), tensor.dtype, start + index * part)
+            def theirs(peer: int, index: int, part: int) -> int:  # part ``index`` of the peer's place
+                return self.handle.get_buffer(peer, (part,), tensor.dtype, start + index * part).data_ptr()
 
             if way == "pull":
                 mine, part = tensor.view(group_size, -1), tensor.numel() // group_size
-                self._views[key] = (mine[rank], [(mine[peer], theirs(peer, peer, part)) for peer in peers])
+                nbytes = part * tensor.element_size()
+                self._views[key] = (mine[rank], [(mine[peer].data_ptr(), theirs(peer, peer, part), nbytes)
+                                                 for peer in peers])
             else:  # this rank's place among each peer's peers
                 part = tensor.numel() // (group_size - 1)
-                self._views[key] = [(peer, theirs(peer, rank - (rank > peer), part)) for peer in peers]
+                nbytes = part * tensor.element_size()
+                self._views[key] = [(peer, theirs(peer, rank - (rank > peer), part), nbytes) for peer in peers]
         return self._views[key]
 
 
@@ -144,7 +149,7 @@ def reserve_slab(group_name: str, device: torch.device, nbytes: int, symmetric: 
     def allocate() -> Slab:
         if not symmetric:
             return Slab(torch.empty(nbytes, dtype=torch.uint8, device=device), None)
-        if not stream_memops.available():
+        if not cuda_driver.has_stream_memops():
             return Slab(*symm_mem.slab(group_name, device, nbytes))
         start = -(-nbytes // 8) * 8  # the counters, after the slots, 8-byte aligned
         memory, handle = symm_mem.slab(group_name, device, start + 8 * _internals.group_named(group_name).size())

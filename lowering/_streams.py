@@ -1,10 +1,12 @@
 """The copy-engine ops' streams and events, made once per device: making them at every call costs host time
 (``torch.cuda.Stream()``, the new event of ``Stream.wait_stream``, a c10d ``Work`` registered for the graph's
 ``wait_tensor``: 5-70 µs each, ``benchmarks/ce_host_cost.py``), and a step without CUDA graphs pays it per
-collective.
+collective. Forks, records and waits are the driver's calls on the raw handles (``_internals.cuda_driver``: ~1 µs
+each, against 3-16 for torch's Python stream and event APIs).
 
-* :func:`on_side_stream`: symmetric memory's side stream made current, after the compute stream's work so far.
-* :func:`copy_in_turn`: the peer copies, one after another on the side stream.
+* :func:`fork_side`: symmetric memory's side stream, after the compute stream's work so far (not made current).
+* :func:`on_side_stream`: the same, made current for torch's ops (the workspace route).
+* :func:`copy_in_turn`: the peer copies, one after another on the side stream (torch's copies: the workspace route).
 * :func:`record_done` ends a copy-engine collective into a slot (on the side stream); the op
   ``fsdp_compile::wait_copy_engine(out, keep)`` is the graph's wait for it: the compute stream waits for the event
   recorded last for ``out``'s place. One event per place (device, address): a collective into a slot is issued
@@ -20,9 +22,9 @@ from collections.abc import Iterator
 
 import torch
 
-from fsdp_compile._internals import step_ops, symm_mem
+from fsdp_compile._internals import cuda_driver, step_ops, symm_mem
 
-__all__ = ["WAIT_COPY_ENGINE", "copy_in_turn", "on_side_stream", "record_done", "wait_copy_engine"]
+__all__ = ["WAIT_COPY_ENGINE", "copy_in_turn", "fork_side", "on_side_stream", "record_done", "wait_copy_engine"]
 
 _side: dict[int, tuple[torch.cuda.Stream, torch.cuda.Event]] = {}
 """Per device: symmetric memory's backend stream, and the event that forks it from the compute stream."""
@@ -30,17 +32,24 @@ _done: dict[tuple[int, int], torch.cuda.Event] = {}
 """Per place (device, address) of a collective's output: the event its last collective recorded."""
 
 
+def fork_side(device: int) -> torch.cuda.Stream:
+    """Symmetric memory's side stream on ``device``, made to wait for the work the compute stream has so far."""
+    if device not in _side:
+        fork = torch.cuda.Event()
+        fork.record(torch.cuda.current_stream(device))  # the event exists from its first record on
+        _side[device] = (symm_mem.backend_stream(), fork)
+    side, fork = _side[device]
+    cuda_driver.record(fork.cuda_event, cuda_driver.current_stream(device))
+    cuda_driver.wait_event(side.cuda_stream, fork.cuda_event)
+    return side
+
+
 @contextlib.contextmanager
 def on_side_stream() -> Iterator[None]:
     """Symmetric memory's side stream made current, after the work the compute stream has so far; the compute
     stream current again at the end."""
     compute = torch.cuda.current_stream()
-    if compute.device.index not in _side:
-        _side[compute.device.index] = (symm_mem.backend_stream(), torch.cuda.Event())
-    side, fork = _side[compute.device.index]
-    fork.record(compute)
-    side.wait_event(fork)
-    torch.cuda.set_stream(side)
+    torch.cuda.set_stream(fork_side(compute.device.index))
     try:
         yield
     finally:
@@ -57,12 +66,14 @@ def copy_in_turn(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         dst.copy_(src)
 
 
-def record_done(out: torch.Tensor) -> None:
-    """Record, on the current (side) stream, that the collective into ``out`` is done (``wait_copy_engine``)."""
+def record_done(out: torch.Tensor, side: torch.cuda.Stream) -> None:
+    """Record, on ``side``, that the collective into ``out`` is done (``wait_copy_engine``)."""
     place = (out.device.index, out.data_ptr())
     if place not in _done:
         _done[place] = torch.cuda.Event()
-    _done[place].record()
+        _done[place].record(side)  # the event exists from its first record on
+        return
+    cuda_driver.record(_done[place].cuda_event, side.cuda_stream)
 
 
 def _wait_fake(out: torch.Tensor, keep: torch.Tensor | None) -> None:
@@ -76,7 +87,8 @@ def wait_copy_engine(out: torch.Tensor, keep: torch.Tensor | None) -> None:
     """The graph's wait for the copy-engine collective into ``out``: the compute stream waits for it. ``out`` is
     "mutated" so that every read of it comes after; ``keep`` (an exchange's gradient, which the side stream reads
     until then) is an argument only so that the graph keeps it alive until here."""
-    torch.cuda.current_stream().wait_event(_done[(out.device.index, out.data_ptr())])
+    device = out.device.index
+    cuda_driver.wait_event(cuda_driver.current_stream(device), _done[(device, out.data_ptr())].cuda_event)
 
 
 WAIT_COPY_ENGINE = wait_copy_engine

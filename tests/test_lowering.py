@@ -335,16 +335,16 @@ def _slab_barriers(rank: int, world_size: int) -> None:
     with torch.cuda.stream(side):
         for round in range(20):
             parts[rank][rank].fill_(100 * round + rank)
-            slab.barrier()
+            slab.barrier(side)
             seen = [parts[peer][peer].clone() for peer in range(world_size)]
-            slab.barrier()  # nobody writes round + 1 before every peer has read round
+            slab.barrier(side)  # nobody writes round + 1 before every peer has read round
             for peer, part in enumerate(seen):
                 assert torch.all(part == 100 * round + peer), (round, peer)
         torch.cuda.synchronize()
     counters = slab.handle.get_buffer(rank, (world_size,), torch.int64, slab.memory.numel() // 8).tolist()
     assert slab.signals.reached == 40 and counters == [0 if peer == rank else 40 for peer in range(world_size)]
     with torch.cuda.graph(torch.cuda.CUDAGraph()):
-        slab.barrier()
+        slab.barrier(torch.cuda.current_stream())
     assert slab.signals.reached == 40
 
 
@@ -371,23 +371,30 @@ class _FakeHandle:
         self.barriers += 1
 
 
-def test_slab_barrier_writes_every_peers_counter_then_waits_for_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``Slab.barrier`` with stream memory operations (faked here, on CPU tensors): this rank's counters zeroed,
-    then per barrier its count written into its place in every peer's counters, then a wait on each peer's place
-    in its own, the peers in ring order; the barrier kernel under capture and without counters."""
+def test_copy_engine_collectives_are_driver_calls_on_the_side_stream(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy-engine collective into a slot as the CUDA driver's calls (faked here, on CPU tensors): the side
+    stream forked from the compute stream, a barrier (this rank's count written into its place in every peer's
+    counters, zeroed when the slab was made, then a wait on each peer's place in its own), the peer copies, a
+    barrier, the event the graph's wait waits for; the peers in ring order, the addresses those of the same place
+    in each peer's slab; the barrier kernel on the side stream under capture and without counters."""
+    import contextlib
     from types import SimpleNamespace
 
     from fsdp_compile import _slots
-    from fsdp_compile._internals import stream_memops
+    from fsdp_compile._internals import cuda_driver
+    from fsdp_compile.lowering import _streams
+    from fsdp_compile.lowering.lower_to_symm_mem import copy_between_slabs
 
-    calls: list[tuple[str, int, int]] = []
-    monkeypatch.setattr(stream_memops, "write", lambda stream, address, value: calls.append(("write", address, value)))
-    monkeypatch.setattr(stream_memops, "wait_at_least",
-                        lambda stream, address, value: calls.append(("wait", address, value)))
+    calls: list[tuple] = []
+    for name in ("write", "wait_at_least", "copy", "record", "wait_event"):
+        monkeypatch.setattr(cuda_driver, name, lambda *args, name=name: calls.append((name, *args)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *args: SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     capturing = False
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    compute, side, fork, done = 11, SimpleNamespace(cuda_stream=22), SimpleNamespace(cuda_event=33), 44
+    monkeypatch.setattr(cuda_driver, "current_stream", lambda device: compute)
+    monkeypatch.setitem(_streams._side, None, (side, fork))  # CPU tensors: device index None
 
     rank, world, start = 2, 4, 512  # the counters after 4096 bytes of slots
     handle = _FakeHandle(rank, world, 4096 + 8 * world)
@@ -395,13 +402,31 @@ def test_slab_barrier_writes_every_peers_counter_then_waits_for_its_own(monkeypa
     counters = [handle.get_buffer(peer, (world,), torch.int64, start) for peer in range(world)]
     assert counters[rank].tolist() == [0] * world and handle.barriers == 1  # zeroed, then every rank met
     assert counters[0].tolist() != [0] * world  # a peer's counters are the peer's to zero
-    slab.barrier()
-    slab.barrier()
+    gathered = slab.memory[1024:2048].view(torch.float32)  # 4 parts of 64 floats at byte 1024 of every slab
+    monkeypatch.setitem(_streams._done, (None, gathered.data_ptr()), SimpleNamespace(cuda_event=done))
+
     peers = [3, 0, 1]  # ring order from rank 2
-    place = [(kind, peer) for kind in ("write", "wait") for peer in peers]
-    expected = [(kind, (counters[peer][rank] if kind == "write" else counters[rank][peer]).data_ptr(), reached)
-                for reached in (1, 2) for kind, peer in place]
-    assert calls == expected
+    mine, pulls = slab.pulls(gathered, world)
+    assert mine.data_ptr() == gathered.view(world, -1)[rank].data_ptr()
+    assert pulls == [(gathered.view(world, -1)[peer].data_ptr(), handle.buffers[peer][1024 + 256 * peer:].data_ptr(),
+                      256) for peer in peers]
+    received = slab.memory[2048:2048 + 3 * 256].view(torch.float32)  # the peers' parts of an exchange
+    assert slab.pushes(received, world) == [  # this rank's part of the peer's place: 2 (peer 3), 1 (peers 0, 1)
+        (peer, handle.buffers[peer][2048 + 256 * (rank - (rank > peer)):].data_ptr(), 256) for peer in peers]
+
+    def barrier(reached: int) -> list[tuple]:
+        return ([("write", side.cuda_stream, counters[peer][rank].data_ptr(), reached) for peer in peers]
+                + [("wait_at_least", side.cuda_stream, counters[rank][peer].data_ptr(), reached) for peer in peers])
+
+    copies = [("copy", side.cuda_stream, *pull) for pull in pulls]
+    fork_side = [("record", fork.cuda_event, compute), ("wait_event", side.cuda_stream, fork.cuda_event)]
+    copy_between_slabs(slab, pulls, gathered)
+    assert calls == [*fork_side, *barrier(1), *copies, *barrier(2), ("record", done, side.cuda_stream)]
+    calls.clear()
     capturing = True
-    slab.barrier()
-    assert handle.barriers == 2 and len(calls) == len(expected) and slab.signals.reached == 2
+    copy_between_slabs(slab, pulls, gathered)
+    assert calls == [*fork_side, *copies, ("record", done, side.cuda_stream)]
+    assert handle.barriers == 3 and slab.signals.reached == 2
+    capturing = False
+    _slots.Slab(slab.memory, handle).barrier(side)  # no counters: the kernel
+    assert handle.barriers == 4

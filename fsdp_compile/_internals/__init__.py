@@ -19,8 +19,8 @@ Shims, each where it is used:
   :func:`gloo_one_worker_thread`, for the multi-rank harness on CPU.
 * ``destroy_process_group()`` hangs while a CUDA graph that captured NCCL kernels lives, and has no hook:
   ``fsdp_compile._internals.lifetime``.
-* Not torch's, detected the same way: the CUDA driver's stream memory operations (barriers that hold no SM),
-  ``fsdp_compile._internals.stream_memops``.
+* Not torch's, detected the same way: the CUDA driver's stream calls (stream memory operations: barriers that
+  hold no SM; peer copies and events at a few µs of host time each), ``fsdp_compile._internals.cuda_driver``.
 """
 
 from __future__ import annotations
