@@ -371,6 +371,20 @@ class _FakeHandle:
         self.barriers += 1
 
 
+def test_the_driver_calls_fail_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A driver without a function the copy-engine collectives need, or a call that fails, raises with what to do
+    or the driver's error code; missing stream memory operations only turn them off (the barrier kernel stays)."""
+    from fsdp_compile._internals import cuda_driver
+
+    monkeypatch.setattr(cuda_driver, "_function", lambda name, *argtypes: None)
+    assert not cuda_driver.has_stream_memops()
+    with pytest.raises(RuntimeError, match="has no cuMemcpyDtoDAsync_v2, which .* use all_gather='nccl'"):
+        cuda_driver.copy(0, 0, 0, 0)
+    monkeypatch.setattr(cuda_driver, "_function", lambda name, *argtypes: lambda *args: 1)
+    with pytest.raises(RuntimeError, match="cuEventRecord failed with CUDA driver error 1"):
+        cuda_driver.record(0, 0)
+
+
 def test_copy_engine_collectives_are_driver_calls_on_the_side_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy-engine collective into a slot as the CUDA driver's calls (faked here, on CPU tensors): the side
     stream forked from the compute stream, a barrier (this rank's count written into its place in every peer's

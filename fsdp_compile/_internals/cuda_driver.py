@@ -43,6 +43,15 @@ def _function(name: str, *argtypes: Any) -> Any:
     return function
 
 
+def _required(name: str, *argtypes: Any) -> Any:
+    """The driver's function ``name``, which every CUDA driver has: missing, the copy-engine routes cannot run."""
+    function = _function(name, *argtypes)
+    if function is None:
+        raise RuntimeError(f"fsdp_compile: the CUDA driver (libcuda.so.1) has no {name}, which the copy-engine "
+                           "collectives need: use all_gather='nccl' and grad_reduce='nccl'")
+    return function
+
+
 def _memops() -> tuple[Any, Any]:
     return (_function("cuStreamWriteValue64_v2", _POINTER, _U64, _U64, ctypes.c_uint),
             _function("cuStreamWaitValue64_v2", _POINTER, _U64, _U64, ctypes.c_uint))
@@ -70,18 +79,18 @@ def wait_at_least(stream: int, address: int, value: int) -> None:
 
 def copy(stream: int, dst: int, src: int, nbytes: int) -> None:
     """On ``stream``: copy ``nbytes`` from device address ``src`` to ``dst`` (either may be a peer's, mapped)."""
-    _check(_function("cuMemcpyDtoDAsync_v2", _U64, _U64, ctypes.c_size_t, _POINTER)(dst, src, nbytes, stream),
+    _check(_required("cuMemcpyDtoDAsync_v2", _U64, _U64, ctypes.c_size_t, _POINTER)(dst, src, nbytes, stream),
            "cuMemcpyDtoDAsync")
 
 
 def record(event: int, stream: int) -> None:
     """Record ``event`` on ``stream`` (after its work so far)."""
-    _check(_function("cuEventRecord", _POINTER, _POINTER)(event, stream), "cuEventRecord")
+    _check(_required("cuEventRecord", _POINTER, _POINTER)(event, stream), "cuEventRecord")
 
 
 def wait_event(stream: int, event: int) -> None:
     """``stream``'s later work waits for ``event``'s last record."""
-    _check(_function("cuStreamWaitEvent", _POINTER, _POINTER, ctypes.c_uint)(stream, event, 0), "cuStreamWaitEvent")
+    _check(_required("cuStreamWaitEvent", _POINTER, _POINTER, ctypes.c_uint)(stream, event, 0), "cuStreamWaitEvent")
 
 
 def current_stream(device: int) -> int:
