@@ -2,6 +2,12 @@ import os
 import tempfile
 
 import pytest
+from hypothesis import HealthCheck, settings
+
+# Tests assert behaviour, never a timing: no per-example deadline and no "input generation is slow" health check,
+# which failed a property test on a busy 2-core machine (one draw stalled 2.2 s; CI's machine is as small).
+settings.register_profile("fsdp_compile", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("fsdp_compile")
 
 # One Inductor cache for the whole session, inherited by spawned ranks: identical graphs compile once.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fsdp_compile_test_inductor"))
