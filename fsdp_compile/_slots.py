@@ -44,13 +44,12 @@ def ring_order(rank: int, group_size: int) -> list[int]:
 @dataclass
 class Signals:
     """A symmetric slab's barrier counters (after its slots, ``world`` 64-bit counters on every rank: rank ``r``'s
-    counter in rank ``p``'s memory is how many barriers ``r`` has reached, written by ``r``), as device
-    addresses, the peers in ring order."""
+    counter in rank ``p``'s memory is how many barriers ``r`` has reached, written by ``r``) and the driver's batch
+    of stream memory operations for one barrier: write this rank's counter in every peer's memory (their
+    addresses, ``ops.writes``), then wait on every peer's counter in this rank's (``ops.waits``), the peers in ring
+    order."""
 
-    mine: list[int]
-    """The peers' counters in this rank's memory: what its barriers wait on."""
-    theirs: list[int]
-    """This rank's counter in each peer's memory: what its barriers write."""
+    ops: cuda_driver.MemOps
     reached: int = 0
     """Barriers this rank has reached (every rank reaches the same ones: they run the same graphs)."""
 
@@ -81,11 +80,7 @@ class Slab:
                 self.handle.barrier()
             return
         signals.reached += 1
-        raw = stream.cuda_stream
-        for address in signals.theirs:
-            cuda_driver.write(raw, address, signals.reached)
-        for address in signals.mine:
-            cuda_driver.wait_at_least(raw, address, signals.reached)
+        signals.ops.enqueue(stream.cuda_stream, signals.reached)
 
     def pulls(self, gathered: torch.Tensor, group_size: int) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
         """For an all-gather's output ``gathered`` in this (symmetric) slab: this rank's part of it, and for every
@@ -171,8 +166,8 @@ def _signals(handle: Any, start: int) -> Signals:
     handle.barrier()
     torch.cuda.synchronize()
     peers = ring_order(rank, world)
-    return Signals(mine=[counters[rank][peer].data_ptr() for peer in peers],
-                   theirs=[counters[peer][rank].data_ptr() for peer in peers])
+    return Signals(cuda_driver.MemOps(writes=[counters[peer][rank].data_ptr() for peer in peers],
+                                      waits=[counters[rank][peer].data_ptr() for peer in peers]))
 
 
 def release_slabs() -> None:

@@ -383,12 +383,42 @@ def test_the_driver_calls_fail_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cuda_driver, "_function", lambda name, *argtypes: lambda *args: 1)
     with pytest.raises(RuntimeError, match="cuEventRecord failed with CUDA driver error 1"):
         cuda_driver.record(0, 0)
+    with pytest.raises(RuntimeError, match="cuStreamBatchMemOp failed with CUDA driver error 1"):
+        cuda_driver.MemOps(writes=[8], waits=[16]).enqueue(0, 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_batch_of_stream_memory_operations_writes_then_waits() -> None:
+    """The driver's batch on one GPU: its writes land; a stream that waits for a value runs nothing after the wait
+    until another stream writes it (the batch's layout as the driver reads it)."""
+    import time
+
+    from fsdp_compile._internals import cuda_driver
+
+    assert cuda_driver.has_stream_memops(), "the driver should have stream memory operations (CUDA 12+)"
+    words = torch.zeros(3, dtype=torch.int64, device="cuda")
+    address = [words[index].data_ptr() for index in range(3)]
+    waiter, writer, out = torch.cuda.Stream(), torch.cuda.Stream(), torch.zeros(4, device="cuda")
+    torch.cuda.synchronize()
+    cuda_driver.MemOps(writes=address[:2], waits=address[:2]).enqueue(writer.cuda_stream, 5)
+    writer.synchronize()
+    assert words.tolist() == [5, 5, 0]
+    cuda_driver.MemOps(writes=[], waits=[address[2]]).enqueue(waiter.cuda_stream, 7)
+    with torch.cuda.stream(waiter):
+        out.fill_(1.0)
+    time.sleep(0.2)
+    assert not waiter.query(), "the waiting stream ran past its wait"
+    cuda_driver.MemOps(writes=[address[2]], waits=[]).enqueue(writer.cuda_stream, 7)
+    waiter.synchronize()
+    assert out.tolist() == [1.0] * 4 and words.tolist() == [5, 5, 7]
 
 
 def test_copy_engine_collectives_are_driver_calls_on_the_side_stream(monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy-engine collective into a slot as the CUDA driver's calls (faked here, on CPU tensors): the side
-    stream forked from the compute stream, a barrier (this rank's count written into its place in every peer's
-    counters, zeroed when the slab was made, then a wait on each peer's place in its own), the peer copies, a
+    stream forked from the compute stream, a barrier (one batch of stream memory operations: this rank's count
+    written into its place in every peer's counters, zeroed when the slab was made, then a wait on each peer's
+    place in its own), the peer copies, a
     barrier, the event the graph's wait waits for; the peers in ring order, the addresses those of the same place
     in each peer's slab; the barrier kernel on the side stream under capture and without counters."""
     import contextlib
@@ -400,8 +430,10 @@ def test_copy_engine_collectives_are_driver_calls_on_the_side_stream(monkeypatch
     from fsdp_compile.lowering.lower_to_symm_mem import copy_between_slabs
 
     calls: list[tuple] = []
-    for name in ("write", "wait_at_least", "copy", "record", "wait_event"):
+    for name in ("copy", "record", "wait_event"):
         monkeypatch.setattr(cuda_driver, name, lambda *args, name=name: calls.append((name, *args)))
+    monkeypatch.setattr(cuda_driver.MemOps, "enqueue",
+                        lambda ops, stream, value: calls.append(("memops", stream, ops.writes, ops.waits, value)))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     capturing = False
@@ -428,9 +460,9 @@ def test_copy_engine_collectives_are_driver_calls_on_the_side_stream(monkeypatch
     assert slab.pushes(received, world) == [  # this rank's part of the peer's place: 2 (peer 3), 1 (peers 0, 1)
         (peer, handle.buffers[peer][2048 + 256 * (rank - (rank > peer)):].data_ptr(), 256) for peer in peers]
 
-    def barrier(reached: int) -> list[tuple]:
-        return ([("write", side.cuda_stream, counters[peer][rank].data_ptr(), reached) for peer in peers]
-                + [("wait_at_least", side.cuda_stream, counters[rank][peer].data_ptr(), reached) for peer in peers])
+    def barrier(reached: int) -> list[tuple]:  # one batch of the driver's stream memory operations
+        return [("memops", side.cuda_stream, [counters[peer][rank].data_ptr() for peer in peers],
+                 [counters[rank][peer].data_ptr() for peer in peers], reached)]
 
     copies = [("copy", side.cuda_stream, *pull) for pull in pulls]
     fork_side = [("record", fork.cuda_event, compute), ("wait_event", side.cuda_stream, fork.cuda_event)]

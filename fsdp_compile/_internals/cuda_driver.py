@@ -1,8 +1,8 @@
 """The CUDA driver's stream calls, through ctypes (``libcuda.so.1``), for the copy-engine collectives' host path.
 
-* Stream memory operations (``cuStream{Write,Wait}Value64_v2``, CUDA 12+): a stream writes a 64-bit value to (its
-  own or a peer's mapped) device memory, or waits until a value there is at least some number, and the GPU's front
-  end does it, with no kernel. A barrier kernel that waits for a late rank spins on an SM, and a persistent matmul
+* Stream memory operations (``cuStreamBatchMemOp_v2``, CUDA 12+): a stream writes 64-bit values to (its own or a
+  peer's mapped) device memory, or waits until values there are at least some number, and the GPU's front end does
+  it, with no kernel; one call enqueues a whole barrier (:class:`MemOps`). A barrier kernel that waits for a late rank spins on an SM, and a persistent matmul
   beside it (cuBLAS's, one CTA per SM) then runs slower: 1.10x on the 3 ranks that waited for a late one over 4
   H200s (benchmarks/NOTES.md, runs 56-57). :func:`has_stream_memops` is False where they are missing (an older
   driver); the callers keep their barrier kernels.
@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
-__all__ = ["copy", "current_stream", "has_stream_memops", "record", "wait_at_least", "wait_event", "write"]
+__all__ = ["MemOps", "copy", "current_stream", "has_stream_memops", "record", "wait_event"]
 
-_WAIT_VALUE_GEQ = 0x0
-_WRITE_VALUE_DEFAULT = 0x0
-"""A memory barrier before the write: the stream's earlier work (its copies) is visible before the value is."""
+_WAIT_VALUE_64, _WRITE_VALUE_64 = 4, 5
+"""``CUstreamBatchMemOpType``'s ``CU_STREAM_MEM_OP_WAIT_VALUE_64`` and ``CU_STREAM_MEM_OP_WRITE_VALUE_64``; their
+flags are 0: ``CU_STREAM_WAIT_VALUE_GEQ`` (wait until at least the value) and ``CU_STREAM_WRITE_VALUE_DEFAULT`` (a
+memory barrier before the write: the stream's earlier work, its copies, is visible before the value is)."""
 _POINTER, _U64 = ctypes.c_void_p, ctypes.c_uint64
 
 
@@ -52,14 +53,26 @@ def _required(name: str, *argtypes: Any) -> Any:
     return function
 
 
-def _memops() -> tuple[Any, Any]:
-    return (_function("cuStreamWriteValue64_v2", _POINTER, _U64, _U64, ctypes.c_uint),
-            _function("cuStreamWaitValue64_v2", _POINTER, _U64, _U64, ctypes.c_uint))
+class _MemOp(ctypes.Structure):
+    """The wait-value and write-value members of ``CUstreamBatchMemOpParams`` (they share one layout)."""
+
+    _fields_ = [("operation", ctypes.c_uint), ("address", _U64), ("value64", _U64), ("flags", ctypes.c_uint),
+                ("alias", _U64)]
+
+
+class _MemOpParams(ctypes.Union):
+    """``CUstreamBatchMemOpParams``: 48 bytes."""
+
+    _fields_ = [("op", _MemOp), ("pad", _U64 * 6)]
+
+
+def _batch_memop() -> Any:
+    return _function("cuStreamBatchMemOp_v2", _POINTER, ctypes.c_uint, ctypes.POINTER(_MemOpParams), ctypes.c_uint)
 
 
 def has_stream_memops() -> bool:
     """Whether this process can use stream memory operations (the driver has them)."""
-    return None not in _memops()
+    return _batch_memop() is not None
 
 
 def _check(result: int, what: str) -> None:
@@ -67,14 +80,23 @@ def _check(result: int, what: str) -> None:
         raise RuntimeError(f"fsdp_compile: {what} failed with CUDA driver error {result}")
 
 
-def write(stream: int, address: int, value: int) -> None:
-    """On ``stream``, after its earlier work: write the 64-bit ``value`` at device ``address``."""
-    _check(_memops()[0](stream, address, value, _WRITE_VALUE_DEFAULT), "cuStreamWriteValue64")
+class MemOps:
+    """One ``cuStreamBatchMemOp`` made once: write a value at each of ``writes``, then wait until the value at each
+    of ``waits`` is at least as high (device addresses, 64-bit values). Each :meth:`enqueue` only sets the value: one
+    driver call, not one per address (~1 µs each over ctypes)."""
 
+    def __init__(self, writes: list[int], waits: list[int]) -> None:
+        self.writes, self.waits, self._call = writes, waits, _batch_memop()
+        self._params = (_MemOpParams * (len(writes) + len(waits)))()
+        operations = [_WRITE_VALUE_64] * len(writes) + [_WAIT_VALUE_64] * len(waits)
+        for param, operation, address in zip(self._params, operations, writes + waits, strict=True):
+            param.op.operation, param.op.address = operation, address
 
-def wait_at_least(stream: int, address: int, value: int) -> None:
-    """``stream``'s later work waits until the 64-bit value at device ``address`` is at least ``value``."""
-    _check(_memops()[1](stream, address, value, _WAIT_VALUE_GEQ), "cuStreamWaitValue64")
+    def enqueue(self, stream: int, value: int) -> None:
+        """On ``stream``, after its earlier work: the writes of ``value``, then the waits for it."""
+        for param in self._params:
+            param.op.value64 = value
+        _check(self._call(stream, len(self._params), self._params, 0), "cuStreamBatchMemOp")
 
 
 def copy(stream: int, dst: int, src: int, nbytes: int) -> None:
