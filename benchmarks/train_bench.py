@@ -475,23 +475,24 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, repeat: int, args: ar
 
     collections = _Collections()
     with prepared.context(), _garbage_collection(args.gc):
-        for i in range(args.steps):
-            if i == args.warmup:
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats(device)
-                gc.callbacks.append(collections)
-            _sync(device)
-            marks.clear()
-            start = time.perf_counter()
-            loss = step(i)
-            enqueue_ms.append((time.perf_counter() - start) * 1e3)
-            phases_ms.append(((marks[0] - start) * 1e3, (marks[1] - marks[0]) * 1e3))
-            _sync(device)
-            result.step_ms.append((time.perf_counter() - start) * 1e3)
-            global_loss = loss.float()
-            dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
-            result.losses.append(global_loss.item())
-        gc.callbacks.remove(collections)
+        with contextlib.ExitStack() as counting:  # the collections during the timed steps only
+            for i in range(args.steps):
+                if i == args.warmup:
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats(device)
+                    gc.callbacks.append(collections)
+                    counting.callback(gc.callbacks.remove, collections)
+                _sync(device)
+                marks.clear()
+                start = time.perf_counter()
+                loss = step(i)
+                enqueue_ms.append((time.perf_counter() - start) * 1e3)
+                phases_ms.append(((marks[0] - start) * 1e3, (marks[1] - marks[0]) * 1e3))
+                _sync(device)
+                result.step_ms.append((time.perf_counter() - start) * 1e3)
+                global_loss = loss.float()
+                dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
+                result.losses.append(global_loss.item())
         result.slab_mib = fsdp_compile.slab_bytes() / 2**20
         if device.type == "cuda":
             symmetric = fsdp_compile.slab_bytes(symmetric=True)  # the driver's memory: not in the allocator's peak
