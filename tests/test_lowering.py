@@ -385,6 +385,7 @@ def test_the_driver_calls_fail_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
         cuda_driver.record(0, 0)
     with pytest.raises(RuntimeError, match="cuStreamBatchMemOp failed with CUDA driver error 1"):
         cuda_driver.MemOps(writes=[8], waits=[16]).enqueue(0, 1)
+    cuda_driver.MemOps(writes=[], waits=[]).enqueue(0, 1)  # no addresses (a group of one rank): no call
 
 
 @pytest.mark.gpu

@@ -2,10 +2,10 @@
 
 * Stream memory operations (``cuStreamBatchMemOp_v2``, CUDA 12+): a stream writes 64-bit values to (its own or a
   peer's mapped) device memory, or waits until values there are at least some number, and the GPU's front end does
-  it, with no kernel; one call enqueues a whole barrier (:class:`MemOps`). A barrier kernel that waits for a late rank spins on an SM, and a persistent matmul
-  beside it (cuBLAS's, one CTA per SM) then runs slower: 1.10x on the 3 ranks that waited for a late one over 4
-  H200s (benchmarks/NOTES.md, runs 56-57). :func:`has_stream_memops` is False where they are missing (an older
-  driver); the callers keep their barrier kernels.
+  it, with no kernel; one call enqueues a whole barrier (:class:`MemOps`). A barrier kernel that waits for a late
+  rank spins on an SM, and a persistent matmul beside it (cuBLAS's, one CTA per SM) then runs slower: 1.10x on the
+  3 ranks that waited for a late one over 4 H200s (benchmarks/NOTES.md, runs 56-57). :func:`has_stream_memops` is
+  False where they are missing (an older driver); the callers keep their barrier kernels.
 * Peer copies and events on raw streams (``cuMemcpyDtoDAsync_v2``, ``cuEventRecord``, ``cuStreamWaitEvent``):
   torch's ``Tensor.copy_``, ``Event.record``, ``Stream.wait_event`` and stream switches cost 5-16 µs of host time a
   call, these about 1 (``benchmarks/ce_host_cost.py``), and a step without CUDA graphs makes ~15 of them per
@@ -93,7 +93,10 @@ class MemOps:
             param.op.operation, param.op.address = operation, address
 
     def enqueue(self, stream: int, value: int) -> None:
-        """On ``stream``, after its earlier work: the writes of ``value``, then the waits for it."""
+        """On ``stream``, after its earlier work: the writes of ``value``, then the waits for it (nothing without
+        addresses)."""
+        if not self._params:
+            return
         for param in self._params:
             param.op.value64 = value
         _check(self._call(stream, len(self._params), self._params, 0), "cuStreamBatchMemOp")
