@@ -388,6 +388,31 @@ def test_the_driver_calls_fail_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     cuda_driver.MemOps(writes=[], waits=[]).enqueue(0, 1)  # no addresses (a group of one rank): no call
 
 
+def test_a_barrier_is_one_batch_in_the_drivers_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``MemOps.enqueue`` makes one ``cuStreamBatchMemOp_v2`` call whose array is, byte for byte, CUDA's
+    ``CUstreamBatchMemOpParams`` (48 bytes each: the operation, the address at byte 8, the 64-bit value at byte 16,
+    the flags at byte 24): the writes (``CU_STREAM_MEM_OP_WRITE_VALUE_64``, 5) then the waits (``WAIT_VALUE_64``, 4,
+    flags 0: at least the value), each barrier with its own value."""
+    import ctypes
+    import struct
+
+    from fsdp_compile._internals import cuda_driver
+
+    batches: list[tuple] = []
+
+    def batch(stream: int, count: int, params: ctypes.Array, flags: int) -> int:
+        raw = ctypes.string_at(params, count * 48)
+        batches.append((stream, flags, [struct.unpack_from("<I4xQQI4x", raw, 48 * i) for i in range(count)]))
+        return 0
+
+    monkeypatch.setattr(cuda_driver, "_function", lambda name, *argtypes: batch)
+    ops = cuda_driver.MemOps(writes=[0x1000, 0x2000], waits=[0x3000])
+    ops.enqueue(7, 1)
+    ops.enqueue(7, 2)
+    assert batches == [(7, 0, [(5, 0x1000, value, 0), (5, 0x2000, value, 0), (4, 0x3000, value, 0)])
+                       for value in (1, 2)]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_batch_of_stream_memory_operations_writes_then_waits() -> None:
