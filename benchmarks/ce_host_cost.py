@@ -5,8 +5,9 @@ all-gather and gradient exchange on the copy-engine routes (the GPU barely works
 
 Rows: the whole ops as a compiled graph calls them (``torch.ops.fsdp_compile.*``, then ``wait_copy_engine``),
 NCCL's functional all-gather for reference, and each piece of the copy-engine ops' bodies alone (the rows run
-on the side stream include switching to it: the ``with torch.cuda.stream(side)`` row). Then a profiler table
-of one op's calls: which CUDA runtime calls the host time goes to.
+on the side stream include switching to it: the ``with torch.cuda.stream(side)`` row), and the ops that write
+gradients in place (``passes/write_gradients_in_place``, ~150 calls a step) beside the calls Inductor's code
+makes for them instead. Then a profiler table of one op's calls: which CUDA runtime calls the host time goes to.
 """
 
 from __future__ import annotations
@@ -64,6 +65,8 @@ def main() -> None:
     gradient = torch.randn(numel, device=device, dtype=torch.bfloat16)
     ops, c10d = torch.ops.fsdp_compile, torch.ops._c10d_functional
     side, compute = symm_mem.backend_stream(), torch.cuda.current_stream()
+    weight_grad = torch.empty(2, 64, 64, device=device, dtype=torch.bfloat16)[1]  # a slice of a flat gradient
+    activation, grad_out = torch.randn(2, 64, 64, device=device, dtype=torch.bfloat16).unbind()
     pulls = slab.pulls(out, world)[1]
     pairs = [(out.view(world, -1)[peer], slab.handle.get_buffer(peer, (PART_NUMEL,), out.dtype, peer * PART_NUMEL))
              for peer in _slots.ring_order(rank, world)]  # the same copies as tensors
@@ -123,6 +126,10 @@ def main() -> None:
         "side.wait_stream(compute)": lambda: side.wait_stream(compute),
         "with torch.cuda.stream(side): pass": _stream_context(side),
         "local copy_ (1 MiB)": lambda: out[:PART_NUMEL].copy_(shard),
+        "fsdp_compile::mm_into (64 x 64)": lambda: ops.mm_into(grad_out, activation, out=weight_grad),
+        "torch.mm(out=) (Inductor's code for mm_into)": lambda: torch.mm(grad_out, activation, out=weight_grad),
+        "fsdp_compile::copy_into (64 x 64)": lambda: ops.copy_into(grad_out, out=weight_grad),
+        "Tensor.copy_ (Inductor's code for copy_into)": lambda: weight_grad.copy_(grad_out),
     }
     results = {name: _host_us(fn, args.reps) for name, fn in rows.items()}
     gather()
