@@ -3,11 +3,12 @@ all-gather and gradient exchange on the copy-engine routes (the GPU barely works
 
     torchrun --nproc_per_node 2 benchmarks/ce_host_cost.py [--json results/ce_host_cost.json]
 
-Rows: the whole ops as a compiled graph calls them (``torch.ops.fsdp_compile.*``, then ``wait_copy_engine``),
-NCCL's functional all-gather for reference, and each piece of the copy-engine ops' bodies alone (the rows run
-on the side stream include switching to it: the ``with torch.cuda.stream(side)`` row), and the ops that write
-gradients in place (``passes/write_gradients_in_place``, ~150 calls a step) beside the calls Inductor's code
-makes for them instead. Then a profiler table of one op's calls: which CUDA runtime calls the host time goes to.
+Rows: the whole collectives as a compiled graph calls them (the ops' functions, ``extern_kernels.fsdp_compile_*``,
+then ``wait_copy_engine``'s) and as ops (``torch.ops.fsdp_compile.*``: through the dispatcher), NCCL's functional
+all-gather for reference, each piece of the copy-engine ops' bodies alone (the rows run on the side stream
+include switching to it: the ``with torch.cuda.stream(side)`` row), and the ops that write gradients in place
+(``passes/write_gradients_in_place``, ~150 calls a step), op and function. Then a profiler table of one op's
+calls: which CUDA runtime calls the host time goes to.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch._inductor.select_algorithm import extern_kernels
 from torch.profiler import ProfilerActivity, profile
 
 from fsdp_compile import _slots
@@ -71,13 +73,19 @@ def main() -> None:
     pairs = [(out.view(world, -1)[peer], slab.handle.get_buffer(peer, (PART_NUMEL,), out.dtype, peer * PART_NUMEL))
              for peer in _slots.ring_order(rank, world)]  # the same copies as tensors
 
-    def gather() -> None:
-        ops.all_gather_into_slot_copy_engine(shard, world, group, out)
-        ops.wait_copy_engine(out, None)
+    fn = {name: getattr(extern_kernels, f"fsdp_compile_{name}") for name in (
+        "all_gather_into_slot_copy_engine", "exchange_into_slot_copy_engine", "wait_copy_engine", "mm_into",
+        "copy_into")}  # the ops' functions, as Inductor's code calls them
 
-    def exchange() -> None:
-        ops.exchange_into_slot_copy_engine(gradient, world, group, received)
-        ops.wait_copy_engine(received, gradient)
+    def gather(call: dict[str, Callable[..., None]] = fn) -> None:
+        call["all_gather_into_slot_copy_engine"](shard, world, group, out)
+        call["wait_copy_engine"](out, None)
+
+    def exchange(call: dict[str, Callable[..., None]] = fn) -> None:
+        call["exchange_into_slot_copy_engine"](gradient, world, group, received)
+        call["wait_copy_engine"](received, gradient)
+
+    as_ops = {name: getattr(ops, name).default for name in fn}  # as Inductor's code called them before
 
     def nccl() -> None:
         c10d.wait_tensor(c10d.all_gather_into_tensor(shard, world, group))
@@ -106,7 +114,7 @@ def main() -> None:
 
     def fork_and_wait() -> None:
         _streams.record_done(out, _streams.fork_side(device.index))
-        ops.wait_copy_engine(out, None)
+        fn["wait_copy_engine"](out, None)
 
     def side_stream() -> None:
         with _streams.on_side_stream():
@@ -115,6 +123,8 @@ def main() -> None:
     rows = {
         "all_gather_into_slot_copy_engine + wait": gather,
         "exchange_into_slot_copy_engine + wait": exchange,
+        "the same all-gather + wait, as ops (the dispatcher)": lambda: gather(as_ops),
+        "the same exchange + wait, as ops": lambda: exchange(as_ops),
         "NCCL all_gather_into_tensor + wait": nccl,
         "barrier kernel (side stream)": barrier_kernel,
         "Slab.barrier (side stream; stream memory operations if the driver has them)": barrier,
@@ -126,10 +136,11 @@ def main() -> None:
         "side.wait_stream(compute)": lambda: side.wait_stream(compute),
         "with torch.cuda.stream(side): pass": _stream_context(side),
         "local copy_ (1 MiB)": lambda: out[:PART_NUMEL].copy_(shard),
-        "fsdp_compile::mm_into (64 x 64)": lambda: ops.mm_into(grad_out, activation, out=weight_grad),
-        "torch.mm(out=) (Inductor's code for mm_into)": lambda: torch.mm(grad_out, activation, out=weight_grad),
-        "fsdp_compile::copy_into (64 x 64)": lambda: ops.copy_into(grad_out, out=weight_grad),
-        "Tensor.copy_ (Inductor's code for copy_into)": lambda: weight_grad.copy_(grad_out),
+        "mm_into (64 x 64)": lambda: fn["mm_into"](grad_out, activation, out=weight_grad),
+        "mm_into, as an op": lambda: as_ops["mm_into"](grad_out, activation, out=weight_grad),
+        "torch.mm(out=)": lambda: torch.mm(grad_out, activation, out=weight_grad),
+        "copy_into (64 x 64)": lambda: fn["copy_into"](grad_out, out=weight_grad),
+        "copy_into, as an op": lambda: as_ops["copy_into"](grad_out, out=weight_grad),
     }
     results = {name: _host_us(fn, args.reps) for name, fn in rows.items()}
     gather()

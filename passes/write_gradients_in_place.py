@@ -15,8 +15,6 @@ kernel copies every piece into the flat gradient (it writes only flexible layout
 straight into a concatenation): a read and a write of the unit's whole gradient, and both copies live at once.
 The ops write arguments in place, so Inductor lowers them after every read of the old value and keeps every
 later read after them (``_internals.step_ops``).
-Inductor's code calls ``mm_into`` and ``copy_into`` as ``extern_kernels.mm(..., out=)`` and ``Tensor.copy_``
-(their ``python`` lines: ``_internals.step_ops``), which is what they do, without the dispatcher's host time.
 What it costs: the flat gradient exists from the unit's first matmul on (before, its pieces piled up one by
 one until the pack): where a step's peak memory is the start of backward, up to a unit's gradient more at
 peak. The weight gradients' matmuls run as ``torch.mm``, outside Inductor's autotuning (``max-autotune``).
@@ -42,8 +40,7 @@ def _no_output(*args: object, **kwargs: object) -> None:
     return None
 
 
-@step_ops.step_op("fsdp_compile::mm_into", "(Tensor a, Tensor b, *, Tensor(a!) out) -> ()", _no_output,
-                  python="extern_kernels.mm({a}, {b}, out={out})")
+@step_ops.step_op("fsdp_compile::mm_into", "(Tensor a, Tensor b, *, Tensor(a!) out) -> ()", _no_output)
 def mm_into(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> None:
     """``out = a @ b``, in place."""
     torch.mm(a, b, out=out)
@@ -52,8 +49,7 @@ def mm_into(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> None:
 MM_INTO = mm_into
 
 
-@step_ops.step_op("fsdp_compile::copy_into", "(Tensor src, *, Tensor(a!) out) -> ()", _no_output,
-                  python="{out}.copy_({src})")
+@step_ops.step_op("fsdp_compile::copy_into", "(Tensor src, *, Tensor(a!) out) -> ()", _no_output)
 def copy_into(src: torch.Tensor, *, out: torch.Tensor) -> None:
     out.copy_(src)
 

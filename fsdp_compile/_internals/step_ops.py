@@ -23,23 +23,17 @@ _libraries: dict[str, Any] = {}
 
 
 def step_op(
-    qualname: str, schema: str, fake: Callable[..., Any], device_type: str | None = None, *, python: str | None = None
+    qualname: str, schema: str, fake: Callable[..., Any], device_type: str | None = None
 ) -> Callable[[Callable[..., Any]], Any]:
     """Decorator: the function becomes the op ``qualname`` (``"ns::name"``) with ``schema`` (its arguments and
     result, e.g. ``"(Tensor x, *, Tensor(a!) out) -> ()"``), for every device or ``device_type`` only, with
     ``fake`` computing its output's shape under FakeTensorMode; returns the op (``OpOverload``). For ops that
     compiled graphs call at every step: the function is registered straight with the dispatcher, without
-    ``torch.library.custom_op``'s autograd and version-counter kernels, which double the host time of a call.
-    The ops run inside compiled graphs only, on tensors that need no gradient. An op that writes an argument in
-    place (``Tensor(a!)``) is lowered by Inductor after every read of that argument's old value
-    (:func:`_lower_as_mutation`).
-
-    ``python``: the line Inductor's Python wrapper code runs for a call instead of the op, a format string over
-    the schema's argument names (``"extern_kernels.mm({a}, {b}, out={out})"``), for ops that run many times a
-    step and whose body is one torch call: calling the op costs ~3-6 µs of host time more than that call (the
-    dispatcher, then the function). The line must do what the function does; the function stays the op
-    everywhere else (eager, FX graphs, Inductor's C++ wrapper, a torch that cannot replace the call:
-    :func:`_write_as`)."""
+    ``torch.library.custom_op``'s autograd and version-counter kernels, which double the host time of a call;
+    and Inductor's code calls the function of an op that returns nothing itself, not the op
+    (:func:`_call_directly`). The ops run inside compiled graphs only, on tensors that need no gradient. An op
+    that writes an argument in place (``Tensor(a!)``) is lowered by Inductor after every read of that argument's
+    old value (:func:`_lower_as_mutation`)."""
 
     def define(impl: Callable[..., Any]) -> Any:
         namespace, name = qualname.split("::")
@@ -53,8 +47,8 @@ def step_op(
         written = [a.name for a in op._schema.arguments if a.alias_info is not None and a.alias_info.is_write]
         if written:
             _lower_as_mutation(op, written)
-        if python is not None:
-            _write_as(op, python)
+        if not op._schema.returns:
+            _call_directly(op, f"{namespace}_{name}", impl)
         return op
 
     return define
@@ -90,25 +84,27 @@ def _lower_as_mutation(op: Any, written: list[str]) -> None:
     _register(op, lower)
 
 
-def _write_as(op: Any, line: str) -> None:
-    """Have Inductor's Python wrapper write ``line``, formatted with the call's arguments as its code names them
-    (by the schema's names), for each call of ``op`` (a fallback kernel): through Inductor's table of custom
-    fallback codegen (2.11 and 2.13), keyed by the kernel's name as Inductor spells it. A torch without that table
-    keeps calling the op."""
+def _call_directly(op: Any, name: str, impl: Callable[..., Any]) -> None:
+    """Have Inductor's Python wrapper call ``impl``, ``op``'s function, for each call of ``op`` (a fallback kernel
+    that returns nothing), with the same arguments: ``extern_kernels.<name>(...)``, ``impl`` put in Inductor's
+    namespace of extern kernels, which every wrapper imports. Calling the op costs ~7 µs of host time a call
+    more (the dispatcher, then the function; an H200 host: 17.7 against 10.4 µs for ``torch.mm(out=)``), ~200
+    calls a step. Through Inductor's table of custom fallback codegen (2.11 and 2.13), keyed by the kernel's
+    name as Inductor spells it; a torch without it keeps calling the op, as do Inductor's C++ wrapper, eager
+    code and FX graphs."""
     try:
-        module = importlib.import_module("torch._inductor.codegen.custom_extern_kernel_codegen")
-        table, custom = module.CUSTOM_EXTERN_KERNEL_CODEGEN, module.CustomCodegen
+        table = importlib.import_module("torch._inductor.codegen.custom_extern_kernel_codegen")
+        extern_kernels = importlib.import_module("torch._inductor.select_algorithm").extern_kernels
+        codegen, custom = table.CUSTOM_EXTERN_KERNEL_CODEGEN, table.CustomCodegen
     except (ImportError, AttributeError):
         log.info("this torch cannot replace a fallback kernel's call: %s stays a call of the op", op)
         return
-    names = [a.name for a in op._schema.arguments]
+    setattr(extern_kernels, name, impl)
 
     def write(node: Any, writeline: Callable[[str], None]) -> None:
-        arguments = dict(zip(names, node.codegen_args()))  # the positional arguments (first in the schema)
-        arguments.update(kwarg.split("=", 1) for kwarg in node.codegen_kwargs())  # "name=code"
-        writeline(line.format(**arguments))
+        writeline(f"extern_kernels.{name}({', '.join([*node.codegen_args(), *node.codegen_kwargs()])})")
 
-    table[f"{op.__module__.replace('._ops.', '.ops.')}.{op.__name__}"] = custom(python=write)
+    codegen[f"{op.__module__.replace('._ops.', '.ops.')}.{op.__name__}"] = custom(python=write)
 
 
 def _register(op: Any, lower: Callable[..., Any]) -> None:
