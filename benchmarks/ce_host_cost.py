@@ -73,19 +73,19 @@ def main() -> None:
     pairs = [(out.view(world, -1)[peer], slab.handle.get_buffer(peer, (PART_NUMEL,), out.dtype, peer * PART_NUMEL))
              for peer in _slots.ring_order(rank, world)]  # the same copies as tensors
 
-    fn = {name: getattr(extern_kernels, f"fsdp_compile_{name}") for name in (
+    functions = {name: getattr(extern_kernels, f"fsdp_compile_{name}") for name in (
         "all_gather_into_slot_copy_engine", "exchange_into_slot_copy_engine", "wait_copy_engine", "mm_into",
         "copy_into")}  # the ops' functions, as Inductor's code calls them
 
-    def gather(call: dict[str, Callable[..., None]] = fn) -> None:
+    def gather(call: dict[str, Callable[..., None]] = functions) -> None:
         call["all_gather_into_slot_copy_engine"](shard, world, group, out)
         call["wait_copy_engine"](out, None)
 
-    def exchange(call: dict[str, Callable[..., None]] = fn) -> None:
+    def exchange(call: dict[str, Callable[..., None]] = functions) -> None:
         call["exchange_into_slot_copy_engine"](gradient, world, group, received)
         call["wait_copy_engine"](received, gradient)
 
-    as_ops = {name: getattr(ops, name).default for name in fn}  # as Inductor's code called them before
+    as_ops = {name: getattr(ops, name).default for name in functions}  # as Inductor's code called them before
 
     def nccl() -> None:
         c10d.wait_tensor(c10d.all_gather_into_tensor(shard, world, group))
@@ -114,7 +114,7 @@ def main() -> None:
 
     def fork_and_wait() -> None:
         _streams.record_done(out, _streams.fork_side(device.index))
-        fn["wait_copy_engine"](out, None)
+        functions["wait_copy_engine"](out, None)
 
     def side_stream() -> None:
         with _streams.on_side_stream():
@@ -136,10 +136,10 @@ def main() -> None:
         "side.wait_stream(compute)": lambda: side.wait_stream(compute),
         "with torch.cuda.stream(side): pass": _stream_context(side),
         "local copy_ (1 MiB)": lambda: out[:PART_NUMEL].copy_(shard),
-        "mm_into (64 x 64)": lambda: fn["mm_into"](grad_out, activation, out=weight_grad),
+        "mm_into (64 x 64)": lambda: functions["mm_into"](grad_out, activation, out=weight_grad),
         "mm_into, as an op": lambda: as_ops["mm_into"](grad_out, activation, out=weight_grad),
         "torch.mm(out=)": lambda: torch.mm(grad_out, activation, out=weight_grad),
-        "copy_into (64 x 64)": lambda: fn["copy_into"](grad_out, out=weight_grad),
+        "copy_into (64 x 64)": lambda: functions["copy_into"](grad_out, out=weight_grad),
         "copy_into, as an op": lambda: as_ops["copy_into"](grad_out, out=weight_grad),
     }
     results = {name: _host_us(fn, args.reps) for name, fn in rows.items()}
