@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_compile import _internals
 from fsdp_compile._agree import EagerFirstForward
 from fsdp_compile._optimizer_guard import mark_replaced, watch_optimizers
 from fsdp_compile._plan_shard import ShardPlan, UnitPlan
@@ -88,6 +89,7 @@ def _build_unit(
         full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
     start = rank * layout.shard_numel
     flat = full[start : start + layout.shard_numel].clone().requires_grad_(any(p.requires_grad for p in params))
+    _internals.mark_static(flat)  # a model sharded again (other sizes) compiles with constant sizes: planned
     pieces = []
     for slot, param in zip(layout.slots, params):
         lo, hi = layout.local_range(slot, rank)

@@ -10,7 +10,7 @@ import dataclasses
 import inspect
 import json
 import logging
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -96,9 +96,22 @@ def call_with_value(graph: fx.Graph, target: Any, *args: Any, **kwargs: Any) -> 
 
 
 def plan_json(plan: Any, *, omit: tuple[str, ...] = ()) -> str:
-    """A frozen plan dataclass as JSON (dtypes as strings), without the fields named in ``omit``."""
-    values = dataclasses.asdict(plan)
-    return json.dumps({name: value for name, value in values.items() if name not in omit}, default=str)
+    """A frozen plan dataclass as JSON (dtypes, and sizes that are symbolic under dynamic shapes, as strings),
+    without the fields named in ``omit``."""
+    fields = {f.name: _plain(getattr(plan, f.name)) for f in dataclasses.fields(plan) if f.name not in omit}
+    return json.dumps(fields, default=str)
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with its dataclasses as dicts and its sequences as lists, the rest as is (``dataclasses.asdict``
+    deep-copies every value, and a symbolic size cannot be copied)."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
 
 
 def graph_module(graph: fx.Graph) -> fx.GraphModule:

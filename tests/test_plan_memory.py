@@ -3,7 +3,9 @@ real compiled steps (graph structure on CPU, fake process group)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 import random
 
 import pytest
@@ -379,3 +381,34 @@ def test_destroy_process_group_frees_the_slabs() -> None:
         finally:
             torch.distributed.destroy_process_group()
         assert fsdp_compile.slab_bytes() == 0
+
+
+def test_another_model_compiled_in_the_same_process_is_planned_as_the_first(
+    fake_pg: None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Models of one class and other sizes compiled one after another in a process, with Inductor (a sweep, a
+    notebook, a benchmark): Dynamo recompiles ``Llama.forward`` and would make the sizes that changed symbolic
+    ("automatic dynamic shapes"). ``shard()`` marks each unit's shard static, so the next model's sizes stay
+    constants and the memory plan covers all its collectives, as the first model's. A shard whose size is
+    symbolic anyway (not marked, here) still compiles, forward and backward, with nothing logged above INFO: its
+    collectives keep buffers of their own, its gradient stays packed. (Before: the second model's shard sizes
+    were symbolic, so its collectives went unplanned; with Inductor, its backward failed to compile at an
+    AssertionError of the plan, and logging a plan that held a symbolic size failed.)"""
+    from fsdp_compile import _internals
+
+    torch._dynamo.reset()
+    tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    gathered = []
+    for dim, static in ((32, True), (64, True), (96, False)):
+        torch.manual_seed(0)
+        if not static:
+            monkeypatch.setattr(_internals, "mark_static", lambda tensor: None)
+        model = fsdp_compile.shard(Llama(dataclasses.replace(LLAMA_TINY, dim=dim)), units=[Block])
+        with caplog.at_level(logging.WARNING), memory_plans() as plans:
+            torch.compile(model, backend="fsdp_compile")(tokens, tokens).backward()
+        gathered.append([sum(b["kind"] == "gathered" for b in plan["buffers"]) for plan in plans])
+    n_units = len(LLAMA_TINY_UNITS)
+    # Forward: each unit's all-gather; the step: forward's and backward's (every unit resharded after forward).
+    # The unmarked model's blocks have symbolic shard sizes: not planned.
+    assert gathered[:2] == [[n_units, 2 * n_units]] * 2 and gathered[2][0] < n_units, gathered
+    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]

@@ -40,7 +40,7 @@ __all__ = [
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_ranks", "group_store",
     "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
-    "list_mode_options", "make_boxed_func", "outside_fake_mode", "outside_graph_pools",
+    "list_mode_options", "make_boxed_func", "mark_static", "outside_fake_mode", "outside_graph_pools",
     "placeholder_source",
     "min_cut_rematerialization_partition", "register_work", "run_observed",
     "set_optimizer_state_dict", "sharded_tensor", "trace_log", "trace_structured",
@@ -78,6 +78,9 @@ min_cut_rematerialization_partition: Callable[..., Any] = _need(
 )
 OptimizedModule: type = _need("torch._dynamo.eval_frame", "OptimizedModule")
 """What ``torch.compile(module)`` returns."""
+mark_static: Callable[..., None] = _need("torch._dynamo", "mark_static")
+"""``mark_static(tensor)``: Dynamo compiles the tensor's sizes as constants, even after a recompile for new sizes
+(where it would otherwise make them symbolic: "automatic dynamic shapes")."""
 inductor_config: Any = _need("torch._inductor", "config")
 list_mode_options: Callable[..., dict[str, Any]] = _need("torch._inductor", "list_mode_options")
 """``torch.compile``'s ``mode=`` -> Inductor settings."""
