@@ -33,6 +33,7 @@ from fsdp_compile._graph import ALL_GATHER, EXCHANGE, nbytes, wait_of
 from fsdp_compile._slots import EXCHANGE_INTO_SLOT, INTO_SLOT, SLOT, WAIT_EXCHANGE
 from fsdp_compile._write_slots import slot_hazards
 from fsdp_compile.passes.plan_memory import slot_uses
+from fsdp_compile.passes.write_gradients_in_place import MM_INTO
 from fsdp_compile.testing.graphs import memory_plans, slotted_exchanges
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
@@ -398,17 +399,20 @@ def test_another_model_compiled_in_the_same_process_is_planned_as_the_first(
 
     torch._dynamo.reset()
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
-    gathered = []
+    gathered, written = [], []
     for dim, static in ((32, True), (64, True), (96, False)):
         torch.manual_seed(0)
         if not static:
             monkeypatch.setattr(_internals, "mark_static", lambda tensor: None)
         model = fsdp_compile.shard(Llama(dataclasses.replace(LLAMA_TINY, dim=dim)), units=[Block])
-        with caplog.at_level(logging.WARNING), memory_plans() as plans:
+        with caplog.at_level(logging.WARNING), memory_plans() as plans, fsdp_compile.debug.capture_graphs() as graphs:
             torch.compile(model, backend="fsdp_compile")(tokens, tokens).backward()
         gathered.append([sum(b["kind"] == "gathered" for b in plan["buffers"]) for plan in plans])
+        (backward,) = (g.gm.graph for g in graphs if g.stage == "backward")
+        written.append(len(backward.find_nodes(op="call_function", target=MM_INTO)))
     n_units = len(LLAMA_TINY_UNITS)
     # Forward: each unit's all-gather; the step: forward's and backward's (every unit resharded after forward).
-    # The unmarked model's blocks have symbolic shard sizes: not planned.
+    # The unmarked model's blocks have symbolic shard sizes: not planned, their gradients left packed.
     assert gathered[:2] == [[n_units, 2 * n_units]] * 2 and gathered[2][0] < n_units, gathered
+    assert written[0] == written[1] > written[2], written
     assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
