@@ -29,6 +29,7 @@ __all__ = [
     "WAIT",
     "call_with_value",
     "graph_module",
+    "has_symbolic_size",
     "lint_and_recompile",
     "named",
     "nbytes",
@@ -73,6 +74,12 @@ def nbytes(node: fx.Node) -> int:
     """Bytes of a node's tensor value (0 if it has none)."""
     val = node.meta.get("val")
     return val.numel() * val.element_size() if isinstance(val, torch.Tensor) else 0
+
+
+def has_symbolic_size(node: fx.Node) -> bool:
+    """Whether the node's tensor has a symbolic size (dynamic shapes): the passes leave such a buffer where
+    Inductor puts it (not planned into a slot, not written in place)."""
+    return not isinstance(nbytes(node), int)
 
 
 def named(graph: fx.Graph, names: Iterable[str]) -> list[fx.Node]:

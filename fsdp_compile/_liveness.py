@@ -14,7 +14,7 @@ from typing import Literal
 
 import torch.fx as fx
 
-from fsdp_compile._graph import ALL_GATHER, EXCHANGE, GRAD_REDUCTIONS, WAIT, nbytes, wait_of
+from fsdp_compile._graph import ALL_GATHER, EXCHANGE, GRAD_REDUCTIONS, WAIT, has_symbolic_size, nbytes, wait_of
 from fsdp_compile._internals import is_view_op
 
 __all__ = ["Buffer", "ForwardBuffers", "Kind", "forward_buffers", "last_read", "slotted_numel", "step_buffers"]
@@ -99,7 +99,7 @@ def _graph_buffers(graph: fx.Graph, stage: str, offset: int) -> tuple[tuple[Buff
     saved: list[tuple[str, tuple[str, ...]]] = []
     for node in graph.nodes:
         source = node.args[0] if node.target in GRAD_REDUCTIONS else node
-        if node.target in (ALL_GATHER, *GRAD_REDUCTIONS) and not isinstance(nbytes(source), int):
+        if node.target in (ALL_GATHER, *GRAD_REDUCTIONS) and has_symbolic_size(source):
             continue  # a symbolic size (dynamic shapes, after recompiles): not planned, its own allocation
         if node.target == ALL_GATHER:
             name, dtype = f"{stage}/{node.name}", str(node.meta["val"].dtype)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fsdp_compile._graph import GRAD_REDUCTIONS, GraphPass, call_with_value, lint_and_recompile, nbytes, plan_json
+from fsdp_compile._graph import GRAD_REDUCTIONS, GraphPass, call_with_value, has_symbolic_size, lint_and_recompile, plan_json
 from fsdp_compile._internals import is_view_op, step_ops
 
 __all__ = ["InPlaceGradients", "WriteGradientsInPlace", "plan_in_place_gradients", "write_gradients_in_place"]
@@ -140,7 +140,7 @@ def plan_in_place_gradients(graph: fx.Graph) -> InPlaceGradients:
         if reduction.target not in GRAD_REDUCTIONS:
             continue
         flat = reduction.args[0]
-        sized = isinstance(flat, fx.Node) and flat.op == "call_function" and isinstance(nbytes(flat), int)
+        sized = isinstance(flat, fx.Node) and flat.op == "call_function" and not has_symbolic_size(flat)
         tree = _sum_of_scatters(flat) if sized else None  # a symbolic size (dynamic shapes): left packed
         placed = sorted((_scattered(s) for s in (tree[1] if tree else ())), key=lambda p: p[1])  # type: ignore[index]
         pieces = tuple((piece.name, start, end) for piece, start, end in placed)  # type: ignore[misc]
