@@ -1,9 +1,10 @@
-"""Run a function on several ranks, one spawned process each: gloo on CPU, or NCCL with one GPU a rank."""
+"""Run a function on several ranks, one new process each: gloo on CPU, or NCCL with one GPU a rank."""
 
 from __future__ import annotations
 
 import datetime
 import gc
+import os
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -25,8 +26,34 @@ def hsdp_mesh(shape: tuple[int, int] | None, device_type: str = "cpu") -> Device
 _HOST = "127.0.0.1"
 _STORE_TIMEOUT = datetime.timedelta(minutes=10)
 
+# gloo ranks are forked from a server process that imported these once, instead of each rank importing them
+# afresh: ~5-10 s of CPU a rank on a 2-core machine, which was most of a multi-rank CPU test's time.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "fsdp_compile", __name__]
+# Variables those modules (and the libraries they load) read when imported: a rank forked from the server has
+# the values the server started with, so where the caller's differ, its ranks are spawned afresh instead.
+_READ_AT_IMPORT = ("TORCH", "PYTORCH", "FSDP_COMPILE", "OMP_", "MKL_", "OPENBLAS_")
+_server_environ: dict[str, str] | None = None  # those variables when the fork server was first asked for
 
-def _run(rank: int, world_size: int, port: int, backend: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+
+def _start_method(backend: str) -> str:
+    """``"forkserver"`` for gloo ranks, unless a variable read at import differs from the server's start;
+    ``"spawn"`` otherwise, and always for NCCL (a fork must not inherit CUDA state)."""
+    global _server_environ
+    if backend != "gloo":
+        return "spawn"
+    read_at_import = {k: v for k, v in os.environ.items() if k.startswith(_READ_AT_IMPORT)}
+    if _server_environ is None:
+        mp.get_context("forkserver").set_forkserver_preload(_PRELOAD)  # the server starts with the first ranks
+        _server_environ = read_at_import
+    return "forkserver" if read_at_import == _server_environ else "spawn"
+
+
+def _run(
+    rank: int, world_size: int, port: int, backend: str, environ: dict[str, str], fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
+    os.environ.clear()  # the caller's environment, as a spawned process has it (a forked one has the server's)
+    os.environ.update(environ)
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:  # torch's gloo races with its default two worker threads (heap corruption): see the function
@@ -57,8 +84,16 @@ def spawn_ranks(
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` ranks; a rank's exception is re-raised here with
     its traceback. ``fn`` must be importable (defined at module level). With NCCL, rank r uses cuda:r.
 
+    Each rank is a new process with this process's environment. gloo ranks are forked from a server that
+    imported torch and fsdp_compile once for this process (the first call starts it); where a variable those
+    read when imported (``TORCH*``, ``PYTORCH*``, ``FSDP_COMPILE*``, thread counts) has changed since, the ranks
+    are spawned as NCCL's always are.
+
     The ranks meet at a store whose server this process holds, on a port the OS chose when it bound it, for
     the whole run. (Choosing a free port here and binding it later in rank 0 could lose the port to another
     process meanwhile: with test runs side by side, one's gloo connections.)"""
     store = dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
-    mp.spawn(_run, args=(world_size, store.port, backend, fn, args), nprocs=world_size, join=True)
+    mp.start_processes(
+        _run, args=(world_size, store.port, backend, dict(os.environ), fn, args), nprocs=world_size,
+        start_method=_start_method(backend),
+    )
