@@ -38,7 +38,8 @@ def _bench(tmp_path: "os.PathLike[str]", *args: str, mutation: str = "") -> tupl
     with open(script, "w") as f:
         f.write(f"import runpy, sys\nsys.path.insert(0, 'benchmarks')\n{mutation}\n"
                 "runpy.run_path('benchmarks/train_bench.py', run_name='__main__')\n")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", script,
+    # --standalone: a free port for the rendezvous (torchrun's default, 29500, fails a second run beside this one)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
            "--model", "tiny-untied", "--tokens", "32", "--steps", "3", "--warmup", "1", "--split-steps", "1", "--out", out, *args]
     return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900), out
 

@@ -415,4 +415,8 @@ def test_another_model_compiled_in_the_same_process_is_planned_as_the_first(
     # The unmarked model's blocks have symbolic shard sizes: not planned, their gradients left packed.
     assert gathered[:2] == [[n_units, 2 * n_units]] * 2 and gathered[2][0] < n_units, gathered
     assert written[0] == written[1] > written[2], written
-    assert not [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    # Dynamo's, AOT's, Inductor's and the library's loggers (not, say, torch.utils.cpp_extension's "No CUDA runtime
+    # is found", which a CUDA build of torch with no GPU visible logs at Inductor's first C++ compile).
+    compile_stack = ("torch._", "fsdp_compile")
+    warned = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name.startswith(compile_stack)]
+    assert not [r.getMessage() for r in warned]
