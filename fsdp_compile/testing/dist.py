@@ -26,9 +26,10 @@ def hsdp_mesh(shape: tuple[int, int] | None, device_type: str = "cpu") -> Device
 _HOST = "127.0.0.1"
 _STORE_TIMEOUT = datetime.timedelta(minutes=10)
 
-# gloo ranks are forked from a server process that imported these once, instead of each rank importing them
-# afresh: ~5-10 s of CPU a rank on a 2-core machine, which was most of a multi-rank CPU test's time.
-_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "fsdp_compile", __name__]
+# gloo ranks are forked from a server process that imported this module once (and with it torch, Dynamo,
+# Inductor's compiler and fsdp_compile), instead of each rank importing them afresh: ~5-10 s of CPU a rank on a
+# 2-core machine, which was most of a multi-rank CPU test's time.
+_PRELOAD = [__name__]
 # Variables those modules (and the libraries they load) read when imported: a rank forked from the server has
 # the values the server started with, so where the caller's differ, its ranks are spawned afresh instead.
 _READ_AT_IMPORT = ("TORCH", "PYTORCH", "FSDP_COMPILE", "OMP_", "MKL_", "OPENBLAS_")
