@@ -211,8 +211,8 @@ def _hsdp_mesh(device: torch.device) -> DeviceMesh | None:
     return hsdp_mesh((2, dist.get_world_size() // 2), device.type)
 
 
-def _compiled(model: Llama, backend_options: dict[str, Any]) -> Prepared:
-    compiled = torch.compile(model, backend=fsdp_compile.backend(**backend_options), fullgraph=True)
+def _compiled(model: Llama, compiler: str, backend_options: dict[str, Any]) -> Prepared:
+    compiled = torch.compile(model, backend=fsdp_compile.backend(compiler=compiler, **backend_options), fullgraph=True)
     if not backend_options.get("cudagraphs"):
         return Prepared(compiled, list(model.parameters()))
 
@@ -223,10 +223,10 @@ def _compiled(model: Llama, backend_options: dict[str, Any]) -> Prepared:
     return Prepared(step, list(model.parameters()))  # type: ignore[arg-type]
 
 
-def no_comm_bound(model: Llama, device: torch.device, **backend_options: Any) -> Prepared:
+def no_comm_bound(model: Llama, device: torch.device, compiler: str, **backend_options: Any) -> Prepared:
     alone, _ = dist.new_subgroups(group_size=1)
     _shard(model, alone)
-    return _compiled(model, backend_options)
+    return _compiled(model, compiler, backend_options)
 
 
 def _checkpoint_inside(model: Llama) -> None:
@@ -243,14 +243,16 @@ def _checkpoint_inside(model: Llama) -> None:
     model.cfg = dataclasses.replace(cfg, checkpoint_blocks=False, checkpoint_policy=None)
 
 
-def fsdp2_eager(model: Llama, device: torch.device, compile_blocks: bool = False, hsdp: bool = False) -> Prepared:
+def fsdp2_eager(
+    model: Llama, device: torch.device, compiler: str, compile_blocks: bool = False, hsdp: bool = False
+) -> Prepared:
     policy = MixedPrecisionPolicy(param_dtype=PARAM_DTYPE, reduce_dtype=REDUCE_DTYPE)
     mesh = _hsdp_mesh(device) if hsdp else None
     if compile_blocks:
         _checkpoint_inside(model)
     for i, layer in enumerate(model.layers):
         if compile_blocks:
-            model.layers.register_module(str(i), torch.compile(layer, fullgraph=True))
+            model.layers.register_module(str(i), torch.compile(layer, backend=compiler, fullgraph=True))
     for unit in _unit_modules(model):
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=unit is not _last_unit(model))
     fully_shard(model, mesh=mesh, mp_policy=policy)  # FSDP2 does not reshard the root after forward
@@ -289,7 +291,7 @@ def _overlap_config() -> dict[str, Any]:
     return {"reorder_for_compute_comm_overlap": True, "bucket_all_gathers_fx": "all", "bucket_reduce_scatters_fx": "all"}
 
 
-def simplefsdp(model: Llama, device: torch.device) -> Prepared:
+def simplefsdp(model: Llama, device: torch.device, compiler: str) -> Prepared:
     from torch._inductor import config
 
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
@@ -303,30 +305,33 @@ def simplefsdp(model: Llama, device: torch.device) -> Prepared:
                 distributed[param] = nn.Parameter(distribute_tensor(param.detach(), mesh, [Shard(0)]))
             module._parameters[name] = distributed[param]
             parametrize.register_parametrization(module, name, replicate, unsafe=True)
-    compiled = torch.compile(model, fullgraph=True)
-    return Prepared(compiled, list(distributed.values()), partial(config.patch, _overlap_config()))
+    compiled = torch.compile(model, backend=compiler, fullgraph=True)
+    overlap = _overlap_config() if compiler == "inductor" else {}
+    return Prepared(compiled, list(distributed.values()), partial(config.patch, overlap))
 
 
-def _fsdp_compile(options: tuple[dict[str, Any], dict[str, Any]], model: Llama, device: torch.device) -> Prepared:
+def _fsdp_compile(
+    options: tuple[dict[str, Any], dict[str, Any]], model: Llama, device: torch.device, compiler: str
+) -> Prepared:
     backend_options, shard_options = options
     _shard(model, **shard_options)
-    return _compiled(model, backend_options)
+    return _compiled(model, compiler, backend_options)
 
 
-def fsdp_compile_barrier_kernels(model: Llama, device: torch.device) -> Prepared:
+def fsdp_compile_barrier_kernels(model: Llama, device: torch.device, compiler: str) -> Prepared:
     """The default, with the copy-engine collectives' barriers as symmetric memory's barrier kernels (which spin on
     an SM while they wait) instead of stream memory operations (``fsdp_compile._slots.Slab.barrier``): their A/B."""
-    prepared = _fsdp_compile(FSDP_COMPILE_VARIANTS["fsdp_compile"], model, device)
+    prepared = _fsdp_compile(FSDP_COMPILE_VARIANTS["fsdp_compile"], model, device, compiler)
     no_memops = partial(mock.patch.object, cuda_driver, "has_stream_memops", lambda: False)
     return dataclasses.replace(prepared, context=no_memops)
 
 
-def fsdp_compile_hsdp(model: Llama, device: torch.device) -> Prepared:
+def fsdp_compile_hsdp(model: Llama, device: torch.device, compiler: str) -> Prepared:
     _shard(model, mesh=_hsdp_mesh(device))
-    return dataclasses.replace(_compiled(model, {}), replicas=2)
+    return dataclasses.replace(_compiled(model, compiler, {}), replicas=2)
 
 
-SYSTEMS: dict[str, Callable[[Llama, torch.device], Prepared]] = {
+SYSTEMS: dict[str, Callable[[Llama, torch.device, str], Prepared]] = {
     "no_comm_bound": no_comm_bound,
     "no_comm_bound_cudagraphs": partial(no_comm_bound, cudagraphs=True),
     "fsdp2_eager": fsdp2_eager,
@@ -452,7 +457,7 @@ def run(name: str, cfg: LlamaConfig, batch: int, seq: int, repeat: int, args: ar
     with device:
         model = Llama(cfg)
     model_ref = weakref.ref(model)
-    prepared = SYSTEMS[name](model, device)
+    prepared = SYSTEMS[name](model, device, args.compiler)
     opt = _optimizer(prepared.params, device)
     result = Result(system=name, tokens_per_gpu=batch * seq, batch=batch, seq=seq, repeat=repeat, losses=[], step_ms=[])
     enqueue_ms, split_ms, marks, phases_ms = [], [], [], []
@@ -582,6 +587,7 @@ def _meta(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         "warmup": args.warmup,
         "split_steps": args.split_steps,
         "repeats": args.repeats,
+        "compiler": args.compiler,
         "gc": args.gc,
         "loss_rtol": LOSS_RTOL,
         "grad_rtol": GRAD_RTOL,
@@ -594,7 +600,7 @@ def _write(path: str | None, meta: dict[str, Any], results: list[Result]) -> Non
             json.dump({"meta": meta, "results": [asdict(r) for r in results]}, f, indent=1)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="fsdp_compile vs FSDP2, SimpleFSDP-style and the bounds, in one run.")
     parser.add_argument("--model", choices=sorted(MODELS), default="0.95b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096], help="tokens per GPU (sweep points)")
@@ -602,7 +608,10 @@ def main() -> None:
     parser.add_argument("--checkpoint", choices=sorted(CHECKPOINTING), default="none",
                         help="activation checkpointing of every block (selective: save the matmuls)")
     parser.add_argument("--systems", nargs="+", choices=sorted(SYSTEMS),
-                        help="default: all but KEEP_GATHERED (on CPU: and GPU_ONLY)")
+                        help="default: all but KEEP_GATHERED (on CPU: and GPU_ONLY; with --compiler aot_eager: and CUDA_GRAPHS)")
+    parser.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor",
+                        help="the compiler of every compiled system (aot_eager: the same graphs run by eager kernels, "
+                             "a quick check of the systems' results; leaves out the CUDA-graph systems)")
     parser.add_argument("--repeats", type=int, default=1, help="runs of every system per point, interleaved (headlines: 3)")
     parser.add_argument("--gc", choices=("auto", "manual"), default="auto",
                         help="Python's garbage collection during the steps: automatic, or none (torchtitan's gc_freq)")
@@ -617,13 +626,15 @@ def main() -> None:
     parser.add_argument("--trace-dir", help="keep each system's profiler trace (CPU and CUDA) here, per rank")
     parser.add_argument("--trace-kernels-only", action="store_true",
                         help="with --trace-dir: trace the GPU's activity only (the host runs at its own speed)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.trace_kernels_only and not args.trace_dir:
         parser.error("--trace-kernels-only needs --trace-dir (where to keep the traces)")
     if args.systems and not set(REFERENCES) & set(args.systems):
         parser.error(f"--systems must include one of {', '.join(REFERENCES)} (the guards' reference)")
     if args.split_steps < 1 or args.repeats < 1 or not 0 < args.warmup < args.steps:
         parser.error("--split-steps and --repeats must be >= 1, and 0 < --warmup < --steps")
+    if args.systems and args.compiler != "inductor" and CUDA_GRAPHS & set(args.systems):
+        parser.error(f"{sorted(CUDA_GRAPHS & set(args.systems))} need --compiler inductor (CUDA graphs are Inductor's)")
     cfg = dataclasses.replace(MODELS[args.model], **CHECKPOINTING[args.checkpoint])
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -636,6 +647,7 @@ def main() -> None:
     if args.systems and not hsdp_ok and HSDP & set(args.systems):
         parser.error(f"{sorted(HSDP & set(args.systems))} need an even number of ranks, at least 4")
     leave_out = (set() if use_cuda else GPU_ONLY) | (set() if hsdp_ok else HSDP) | KEEP_GATHERED
+    leave_out |= CUDA_GRAPHS if args.compiler != "inductor" else set()
     args.systems = args.systems or [s for s in SYSTEMS if s not in leave_out]
     results = []
     with torch._dynamo.config.patch(automatic_dynamic_shapes=False, cache_size_limit=64):

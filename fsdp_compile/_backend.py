@@ -72,7 +72,7 @@ def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
     at its use again); CUDA graphs when asked for."""
     settings: dict[str, Any] = {"joint_custom_pre_pass": ReshardAfterForward()}
     if _dump.active():  # a graph from Inductor's caches would run no pass and log nothing to dump
-        settings["force_disable_caches"] = True
+        settings.update(_internals.COMPILE_AFRESH)
     if config.cudagraphs:
         settings["triton.cudagraphs"] = True
     settings["post_grad_custom_post_pass"] = _post_grad_passes(config)

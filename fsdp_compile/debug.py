@@ -8,8 +8,8 @@ Stages: ``"dynamo"`` (the Dynamo graph after ``insert_collectives``), ``"forward
 AOTAutograd graphs after partitioning, as the compiler receives them; with Inductor, as its post-grad passes
 leave them: the memory plan and the lowering included). The backward graph is compiled at the first backward
 call, so run it inside the ``with`` block. Inside the block graphs are compiled, never loaded from Inductor's
-caches: a cached graph would skip the passes and be captured as they found it (Inductor's
-``force_disable_caches``, for every thread: fresh cache folders, Triton kernels compiled anew).
+caches: a cached graph would skip the passes and be captured as they found it (its kernels still come from
+the cache folder: ``_internals.COMPILE_AFRESH``).
 
 When the library falls back to something slower or heavier than asked for, it says so: :func:`degraded`
 counts every occurrence in ``torch._dynamo.utils.counters["fsdp_compile"][key]`` and logs a warning with
@@ -39,7 +39,7 @@ from typing import Literal
 
 import torch.fx as fx
 
-from fsdp_compile._internals import counters, inductor_config, trace_structured
+from fsdp_compile._internals import COMPILE_AFRESH, counters, inductor_config, trace_structured
 from fsdp_compile._layout import unit_label
 from fsdp_compile._ops import UNIT
 
@@ -66,7 +66,7 @@ def capture_graphs() -> Iterator[list[CapturedGraph]]:
     graphs: list[CapturedGraph] = []
     _active.append(graphs)
     try:
-        with inductor_config.patch(force_disable_caches=True):
+        with inductor_config.patch(COMPILE_AFRESH):
             yield graphs
     finally:
         _active.remove(graphs)

@@ -1,3 +1,4 @@
+import inspect
 import os
 import tempfile
 
@@ -22,3 +23,12 @@ def fake_pg():
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     yield
     dist.destroy_process_group()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark ``ranks`` every test that runs ranks of its own (``run_ranks`` / ``spawn_ranks``), as read from its
+    source: ``tests/repeat_ranks.sh`` runs them again and again, to find the flaky ones."""
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is not None and any(call in inspect.getsource(function) for call in ("run_ranks(", "spawn_ranks(")):
+            item.add_marker(pytest.mark.ranks)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import fsdp_compile
-from fsdp_compile.testing.dist import hsdp_mesh, spawn_ranks
+from fsdp_compile.testing.dist import hsdp_mesh, run_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 from fsdp_compile.testing.reference import full_grads, reference_step, rel_error
 
@@ -45,16 +45,16 @@ def _clip_and_compare(
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("norm_type", [2.0, math.inf, 1.0], ids=["l2", "inf", "l1"])
 def test_clip_grad_norm_matches_the_unsharded_model(world_size: int, norm_type: float) -> None:
-    spawn_ranks(_clip_and_compare, world_size, norm_type, False)
+    run_ranks(_clip_and_compare, world_size, norm_type, False)
 
 
 def test_clip_grad_norm_after_a_compiled_step() -> None:
-    spawn_ranks(_clip_and_compare, 2, 2.0, True)
+    run_ranks(_clip_and_compare, 2, 2.0, True)
 
 
 def test_clip_grad_norm_with_hsdp() -> None:
     """HSDP 2 x 2: the norm is summed within a replica (the replicas hold the same averaged gradients)."""
-    spawn_ranks(_clip_and_compare, 4, 2.0, True, (2, 2))
+    run_ranks(_clip_and_compare, 4, 2.0, True, (2, 2))
 
 
 def test_clip_grad_norm_refuses_a_norm_it_cannot_sum(fake_pg: None) -> None:

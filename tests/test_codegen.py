@@ -21,10 +21,11 @@ from torch.testing import FileCheck
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
-from fsdp_compile.testing.graphs import slotted_exchanges
+from fsdp_compile.testing.graphs import compile_and_capture, slotted_exchanges
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 N_UNITS = LLAMA_TINY.n_layers + 1
+BF16_FP32_REDUCE = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 AG = "torch.ops._c10d_functional.all_gather_into_tensor.default("
 AG_OUT = "extern_kernels.fsdp_compile_all_gather_into_slot("  # the op's function, called directly
 SLOT = "torch.ops.fsdp_compile.slot.default("
@@ -43,7 +44,7 @@ def _code(backend: object, checkpoint: bool = False, **compile_options: object) 
         model = fsdp_compile.shard(
             Llama(dataclasses.replace(LLAMA_TINY, checkpoint_blocks=checkpoint)),
             units=[Block],
-            mp=fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+            mp=BF16_FP32_REDUCE,
         )
         compiled = torch.compile(model, backend=backend, fullgraph=True, **compile_options)  # type: ignore[call-overload]
         tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
@@ -56,6 +57,27 @@ def _code(backend: object, checkpoint: bool = False, **compile_options: object) 
 @pytest.fixture(scope="module")
 def code() -> list[str]:
     return _code("fsdp_compile")  # by name: the registered backend, default options (overlap on)
+
+
+def test_the_same_model_compiled_again_comes_from_inductors_fx_graph_cache(code: list[str]) -> None:
+    """The passes' cache keys do not change from one model to the next (or every model would compile afresh:
+    ~30 s on GPUs), so the fixture's graphs are loaded from Inductor's FX graph cache."""
+    counters.clear()
+    _code("fsdp_compile")
+    assert counters["inductor"]["fxgraph_cache_hit"] > 0, dict(counters["inductor"])
+    assert "fxgraph_cache_miss" not in counters["inductor"], dict(counters["inductor"])
+
+
+def test_captured_graphs_are_the_passes_output_even_when_inductor_has_them_cached(code: list[str]) -> None:
+    """The same graph compiled again comes from Inductor's FX graph cache (the fixture's compile put it there),
+    which runs no pass: inside ``capture_graphs`` it is compiled again (CI once saw the first compile's graph
+    unplanned)."""
+    counters.clear()
+    forward = compile_and_capture(mp=BF16_FP32_REDUCE)["forward"]
+    nodes = [n.target for n in forward.graph.nodes]
+    assert nodes.count(torch.ops.fsdp_compile.all_gather_into_slot.default) == N_UNITS
+    assert torch.ops._c10d_functional.all_gather_into_tensor.default not in nodes
+    assert "fxgraph_cache_hit" not in counters["inductor"], dict(counters["inductor"])
 
 
 def _gathers(code: str) -> list[tuple[str, str]]:

@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 import fsdp_compile
-from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.dist import run_ranks, spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 from fsdp_compile.testing.reference import assert_bitwise
 from fsdp_compile.testing.train import train_step, trained
@@ -58,22 +58,22 @@ def _load(rank: int, world_size: int, checkpoint: str, reference: str, mesh: tup
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     folder = tmp_path_factory.mktemp("dcp")
-    spawn_ranks(_save, 2, str(folder / "ckpt"), str(folder / "reference.pt"))
+    run_ranks(_save, 2, str(folder / "ckpt"), str(folder / "reference.pt"))
     return str(folder / "ckpt"), str(folder / "reference.pt")
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 1])
 def test_dcp_round_trip_into_any_world_size_is_bitwise(checkpoint: tuple[str, str], world_size: int) -> None:
-    spawn_ranks(_load, world_size, *checkpoint)
+    run_ranks(_load, world_size, *checkpoint)
 
 
 def test_dcp_between_hsdp_and_fsdp_is_bitwise(checkpoint: tuple[str, str], tmp_path: Path) -> None:
     """HSDP 2 x 2 (4 ranks: sharded over pairs, replicated across them) loads a checkpoint saved by FSDP over 2
     ranks, and saves one that FSDP over 2 ranks loads; each replica writes the same shards (DCP keeps one)."""
-    spawn_ranks(_load, 4, *checkpoint, (2, 2))
+    run_ranks(_load, 4, *checkpoint, (2, 2))
     hsdp = str(tmp_path / "ckpt"), str(tmp_path / "reference.pt")
-    spawn_ranks(_save, 4, *hsdp, (2, 2))
-    spawn_ranks(_load, 2, *hsdp)
+    run_ranks(_save, 4, *hsdp, (2, 2))
+    run_ranks(_load, 2, *hsdp)
 
 
 def _load_unsharded_state_dict(rank: int, world_size: int) -> None:
@@ -90,7 +90,7 @@ def _load_unsharded_state_dict(rank: int, world_size: int) -> None:
 
 
 def test_load_state_dict_takes_an_unsharded_models_state_dict() -> None:
-    spawn_ranks(_load_unsharded_state_dict, 2)
+    run_ranks(_load_unsharded_state_dict, 2)
 
 
 def _killed_while_saving(rank: int, world_size: int, good: str, bad: str, reference: str) -> None:
@@ -117,5 +117,5 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: 
     with pytest.raises(Exception, match="exit code 17"):
         spawn_ranks(_killed_while_saving, 2, good, bad, reference)
     assert os.listdir(bad), "the killed save wrote nothing: no test"
-    spawn_ranks(_load, 2, good, reference)
-    spawn_ranks(_load_broken, 2, bad)
+    run_ranks(_load, 2, good, reference)
+    run_ranks(_load_broken, 2, bad)

@@ -10,7 +10,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
-from fsdp_compile.testing.dist import hsdp_mesh, spawn_ranks
+from fsdp_compile.testing.dist import hsdp_mesh, run_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 
@@ -63,4 +63,4 @@ def _batchnorm(rank: int, world_size: int, average: bool, mesh: tuple[int, int] 
 @pytest.mark.parametrize("average", [False, True], ids=["rank0", "average"])
 @pytest.mark.parametrize("world_size, mesh", [(2, None), (4, (2, 2))], ids=["fsdp", "hsdp-2x2"])
 def test_sync_buffers_makes_batchnorm_statistics_agree(average: bool, world_size: int, mesh: tuple | None) -> None:
-    spawn_ranks(_batchnorm, world_size, average, mesh)
+    run_ranks(_batchnorm, world_size, average, mesh)

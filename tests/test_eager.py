@@ -12,7 +12,7 @@ from torch._dynamo.utils import counters
 
 import fsdp_compile
 from fsdp_compile._eager import live_gathers
-from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 
@@ -44,7 +44,7 @@ def _reshard_after_forward(rank: int, world_size: int) -> None:
 
 
 def test_units_are_resharded_after_forward_and_regathered_once_in_backward() -> None:
-    spawn_ranks(_reshard_after_forward, 2)
+    run_ranks(_reshard_after_forward, 2)
 
 
 def _keep_root_gathered(rank: int, world_size: int) -> None:
@@ -59,7 +59,7 @@ def _keep_root_gathered(rank: int, world_size: int) -> None:
 
 
 def test_a_unit_not_resharded_is_not_gathered_again() -> None:
-    spawn_ranks(_keep_root_gathered, 2)
+    run_ranks(_keep_root_gathered, 2)
 
 
 class _SparseMix(torch.nn.Module):
@@ -86,8 +86,11 @@ def _saved_whole(rank: int, world_size: int) -> None:
     logging.getLogger("fsdp_compile.debug").addHandler(handler)
     model = fsdp_compile.shard(torch.nn.Sequential(_SparseMix(), _SparseMix()), units=[_SparseMix])
     counters.clear()
-    for _ in range(2):
-        model(torch.randn(4, 4)).sum().backward()
+    try:
+        for _ in range(2):
+            model(torch.randn(4, 4)).sum().backward()
+    finally:
+        logging.getLogger("fsdp_compile.debug").removeHandler(handler)
     assert counters["fsdp_compile"]["eager_saved_whole"] == 4  # two units, two steps
     assert [r for r in records if "as it is" in r] == [
         "eager mode saved a Tensor with layout torch.sparse_coo for backward as it is (no plain storage to tell "
@@ -97,7 +100,7 @@ def _saved_whole(rank: int, world_size: int) -> None:
 
 
 def test_a_saved_tensor_without_plain_storage_is_counted_and_said_once() -> None:
-    spawn_ranks(_saved_whole, 2)
+    run_ranks(_saved_whole, 2)
 
 
 class _FailingBlock(Block):
@@ -169,7 +172,7 @@ def _train_through_an_exception(rank: int, world_size: int, compiled: bool) -> N
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_an_exception_in_a_units_forward_leaves_the_model_trainable(compiled: bool) -> None:
-    spawn_ranks(_train_through_an_exception, 2, compiled)
+    run_ranks(_train_through_an_exception, 2, compiled)
 
 
 def test_a_deleted_model_is_freed_at_once_and_a_backward_after_it_says_why_it_cannot_run(fake_pg: None) -> None:

@@ -229,9 +229,9 @@ def _not_a_member(rank: int, world_size: int) -> None:
 
 
 def test_a_group_this_rank_is_not_in() -> None:
-    from fsdp_compile.testing.dist import spawn_ranks
+    from fsdp_compile.testing.dist import run_ranks
 
-    spawn_ranks(_not_a_member, 2)
+    run_ranks(_not_a_member, 2)
 
 
 @pytest.mark.parametrize(

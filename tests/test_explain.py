@@ -3,7 +3,9 @@ files of each rank and graph, what explain prints, its pictures, a profiler trac
 
 from __future__ import annotations
 
+import contextlib
 import gzip
+import io
 import json
 import re
 import shutil
@@ -19,6 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
 from fsdp_compile import _dump, _pictures, explain
+from fsdp_compile.__main__ import main as fsdp_compile_command
 from fsdp_compile.testing.graphs import compile_and_capture
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
@@ -70,8 +73,11 @@ def dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _explain(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "fsdp_compile", "explain", *args], capture_output=True, text=True,
-                          timeout=300)
+    """``python -m fsdp_compile explain ARGS``, in this process (the command line itself: the piped test below)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = fsdp_compile_command(["explain", *args])
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
 def test_the_dump_folder_holds_every_pass_and_plan_for_each_rank_and_graph(dump: Path) -> None:

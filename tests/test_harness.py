@@ -1,6 +1,7 @@
 """The multi-rank harness (``fsdp_compile.testing.dist``): gloo groups run their collectives on one worker
 thread, because torch's gloo corrupts its heap, rarely, with its default two (``_internals.gloo_one_worker_thread``
-says how); gloo ranks are forked from a server that imported torch once, and see the caller's environment."""
+says how); gloo ranks are forked from a server that imported torch once, and see the caller's environment;
+pooled ranks (``run_ranks``) are kept from call to call and find each call as new ranks would."""
 
 from __future__ import annotations
 
@@ -10,7 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_compile.testing.dist import spawn_ranks
+from torch.multiprocessing.spawn import ProcessRaisedException
+
+from fsdp_compile._internals import counters
+from fsdp_compile.testing.dist import run_ranks, spawn_ranks
 
 
 def _worker_threads(rank: int, world_size: int) -> None:
@@ -41,3 +45,44 @@ def test_gloo_ranks_are_forked_from_a_server_with_the_callers_environment(monkey
     # A variable torch reads when imported: the server imported torch without it, so the ranks are spawned.
     monkeypatch.setenv("TORCHINDUCTOR_SPAWN_RANKS_PROBE", "1")
     spawn_ranks(_environment, 2, os.getpid(), {"TORCHINDUCTOR_SPAWN_RANKS_PROBE": "1"}, False)
+
+
+def _pooled(rank: int, world_size: int, pids: dict[int, tuple[int, int]], expected: dict[str, str | None]) -> None:
+    assert {name: os.environ.get(name) for name in expected} == expected
+    assert counters["fsdp_compile"] == {}
+    assert dist.get_backend() == "gloo" and dist.get_world_size() == world_size
+    store = dist.distributed_c10d._get_default_store()
+    assert not store.check([f"left_by_the_last_job/{rank}"])  # each job on a store prefix of its own
+    store.set(f"left_by_the_last_job/{rank}", "1")
+    counters["fsdp_compile"]["left_by_the_last_job"] += 1
+    if pids:
+        assert pids[rank] == (os.getpid(), torch.initial_seed()), "the same process as the last call, seeded anew"
+    torch.manual_seed(rank + 1)
+
+
+def _pid(rank: int, world_size: int, path: str) -> None:
+    """This rank's process and seed, as a new process has it, into ``path.<rank>``."""
+    with open(f"{path}.{rank}", "w") as f:
+        f.write(f"{os.getpid()} {torch.initial_seed()}")
+
+
+def _raise_on_rank_1(rank: int, world_size: int) -> None:
+    if rank == 1:
+        raise ValueError("rank 1 gives up")
+    dist.barrier()  # rank 0 waits for rank 1 forever: the pool is ended
+
+
+def test_pooled_ranks_are_kept_and_each_call_finds_them_as_new(tmp_path: "os.PathLike[str]",
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    path = os.path.join(tmp_path, "pid")
+    run_ranks(_pid, 2, path)
+    pids = {rank: tuple(map(int, open(f"{path}.{rank}").read().split())) for rank in range(2)}
+    monkeypatch.setenv("RUN_RANKS_PROBE", "1")
+    run_ranks(_pooled, 2, pids, {"RUN_RANKS_PROBE": "1"})
+    monkeypatch.delenv("RUN_RANKS_PROBE")
+    run_ranks(_pooled, 2, pids, {"RUN_RANKS_PROBE": None})
+    with pytest.raises(ProcessRaisedException, match="rank 1 gives up"):
+        run_ranks(_raise_on_rank_1, 2)
+    run_ranks(_pooled, 2, {}, {})  # a new pool
+    run_ranks(_pid, 2, path)
+    assert all(int(open(f"{path}.{rank}").read().split()[0]) != pid for rank, (pid, _) in pids.items())

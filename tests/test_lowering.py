@@ -297,7 +297,8 @@ def test_cuda_graph_compiles_keep_inductors_caches() -> None:
     from fsdp_compile.config import BackendConfig
 
     for options in ({}, {"all_gather": "copy_engine"}, {"grad_reduce": "copy_engine"}):
-        assert "force_disable_caches" not in _inductor_settings(BackendConfig(cudagraphs=True, **options))
+        settings = _inductor_settings(BackendConfig(cudagraphs=True, **options))
+        assert not {"force_disable_caches", "fx_graph_cache"} & set(settings), settings
 
 
 def test_outside_graph_pools_returns_what_it_allocated_and_raises_what_it_raised() -> None:

@@ -7,6 +7,7 @@ import dataclasses
 import datetime
 import os
 import time
+from unittest import mock
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from torch._dynamo.utils import counters
 import fsdp_compile
 from fsdp_compile._agree import agree
 from fsdp_compile.config import BackendConfig
-from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.dist import run_ranks, spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
 
 FAIL_WITHIN_S = 60.0
@@ -61,7 +62,7 @@ def _extra_layer(rank: int, world_size: int, compiled: bool, device: str = "cpu"
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_rank_with_an_extra_layer_fails_on_every_rank_naming_the_first_difference(compiled: bool) -> None:
-    spawn_ranks(_extra_layer, 2, compiled)
+    run_ranks(_extra_layer, 2, compiled)
 
 
 @pytest.mark.gpu
@@ -77,12 +78,11 @@ def _auto_chooses_per_rank(rank: int, world_size: int) -> None:
     def choose(gm: object, plan: object, config: BackendConfig) -> BackendConfig:  # as peer access might
         return dataclasses.replace(config, all_gather="copy_engine" if rank == 0 else "nccl", grad_reduce="nccl")
 
-    _backend._choose_routes = choose
     model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager", all_gather="auto"))
     tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
     start = time.monotonic()
-    with pytest.raises(BackendCompilerFailed) as error:
+    with pytest.raises(BackendCompilerFailed) as error, mock.patch.object(_backend, "_choose_routes", choose):
         run(tokens[:, :-1], tokens[:, 1:])
     assert time.monotonic() - start < FAIL_WITHIN_S
     message = str(error.value)
@@ -92,7 +92,7 @@ def _auto_chooses_per_rank(rank: int, world_size: int) -> None:
 
 
 def test_ranks_on_which_auto_chose_different_all_gather_routes_fail_instead_of_hanging() -> None:
-    spawn_ranks(_auto_chooses_per_rank, 2)
+    run_ranks(_auto_chooses_per_rank, 2)
 
 
 def _rank_dependent_shape(rank: int, world_size: int, compiled: bool) -> None:
@@ -104,7 +104,7 @@ def _rank_dependent_shape(rank: int, world_size: int, compiled: bool) -> None:
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_a_rank_dependent_input_shape_that_changes_the_collectives_fails_on_every_rank(compiled: bool) -> None:
-    spawn_ranks(_rank_dependent_shape, 2, compiled)
+    run_ranks(_rank_dependent_shape, 2, compiled)
 
 
 def _shapes_differ_collectives_agree(rank: int, world_size: int) -> None:
@@ -122,7 +122,7 @@ def _shapes_differ_collectives_agree(rank: int, world_size: int) -> None:
 
 
 def test_rank_dependent_shapes_with_the_same_collectives_train() -> None:
-    spawn_ranks(_shapes_differ_collectives_agree, 2)
+    run_ranks(_shapes_differ_collectives_agree, 2)
 
 
 def _agree_protocol(rank: int, world_size: int) -> None:
@@ -149,7 +149,7 @@ def _agree_protocol(rank: int, world_size: int) -> None:
 
 
 def test_agree_waits_only_while_the_lists_can_still_match() -> None:
-    spawn_ranks(_agree_protocol, 3)
+    run_ranks(_agree_protocol, 3)
 
 
 def _rank_1_dies(rank: int, world_size: int, compiled: bool) -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import fsdp_compile
-from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY
 from fsdp_compile.testing.reference import assert_bitwise
 from fsdp_compile.testing.train import train_step, trained
@@ -41,7 +41,7 @@ def _round_trip(rank: int, world_size: int) -> None:
 
 
 def test_round_trip_is_bitwise() -> None:
-    spawn_ranks(_round_trip, 2)
+    run_ranks(_round_trip, 2)
 
 
 def _save(rank: int, world_size: int, path: str) -> None:
@@ -63,9 +63,9 @@ def _load(rank: int, world_size: int, path: str) -> None:
 
 def test_load_into_another_world_size(tmp_path: "os.PathLike[str]") -> None:
     path = os.path.join(tmp_path, "ckpt.pt")
-    spawn_ranks(_save, 2, path)
-    spawn_ranks(_load, 3, path)
-    spawn_ranks(_load, 1, path)
+    run_ranks(_save, 2, path)
+    run_ranks(_load, 3, path)
+    run_ranks(_load, 1, path)
 
 
 def _bad_loads(rank: int, world_size: int) -> None:
@@ -92,7 +92,7 @@ def _bad_loads(rank: int, world_size: int) -> None:
 
 
 def test_bad_state_dicts_and_rank_dependent_optimizer_states_are_refused() -> None:
-    spawn_ranks(_bad_loads, 2)
+    run_ranks(_bad_loads, 2)
 
 
 def _rank0_of_a_subgroup(rank: int, world_size: int) -> None:
@@ -120,4 +120,4 @@ def _rank0_of_a_subgroup(rank: int, world_size: int) -> None:
 
 
 def test_rank0_only_is_rank_0_of_the_modules_group() -> None:
-    spawn_ranks(_rank0_of_a_subgroup, 3)
+    run_ranks(_rank0_of_a_subgroup, 3)

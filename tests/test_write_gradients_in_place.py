@@ -11,7 +11,7 @@ from torch import nn
 import fsdp_compile
 from fsdp_compile._graph import GRAD_REDUCTIONS
 from fsdp_compile.passes.write_gradients_in_place import COPY_INTO, MM_INTO, ZERO_INTO
-from fsdp_compile.testing.dist import spawn_ranks
+from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.graphs import compile_and_capture
 from fsdp_compile.testing.llama import LLAMA_TINY
 from fsdp_compile.testing.reference import full_grads, rel_error
@@ -83,7 +83,7 @@ def _odd_parity(rank: int, world_size: int) -> None:
 
 
 def test_gaps_and_padding_are_zero_and_the_gradients_right() -> None:
-    spawn_ranks(_odd_parity, 2)
+    run_ranks(_odd_parity, 2)
 
 
 def test_zero_into_zeroes_only_the_gaps() -> None:

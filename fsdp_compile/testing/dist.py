@@ -1,21 +1,30 @@
-"""Run a function on several ranks, one new process each: gloo on CPU, or NCCL with one GPU a rank."""
+"""Run a function on several ranks: gloo on CPU, or NCCL with one GPU a rank. :func:`run_ranks` keeps a group of
+gloo ranks alive for the next call (a test suite pays for processes and a process group once a world size);
+:func:`spawn_ranks` starts new processes each call."""
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import gc
+import itertools
 import os
+import time
+import traceback
 from collections.abc import Callable
+from multiprocessing.connection import Connection, wait
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
-from fsdp_compile._internals import gloo_one_worker_thread
+from fsdp_compile import debug
+from fsdp_compile._internals import counters, gloo_one_worker_thread
 
-__all__ = ["gloo_one_worker_thread", "hsdp_mesh", "spawn_ranks"]
+__all__ = ["gloo_one_worker_thread", "hsdp_mesh", "run_ranks", "spawn_ranks"]
 
 
 def hsdp_mesh(shape: tuple[int, int] | None, device_type: str = "cpu") -> DeviceMesh | None:
@@ -34,6 +43,7 @@ _PRELOAD = [__name__]
 # the values the server started with, so where the caller's differ, its ranks are spawned afresh instead.
 _READ_AT_IMPORT = ("TORCH", "PYTORCH", "FSDP_COMPILE", "OMP_", "MKL_", "OPENBLAS_")
 _server_environ: dict[str, str] | None = None  # those variables when the fork server was first asked for
+_SEED_AT_START = torch.initial_seed()  # torch's default seed: what a new process draws from
 
 
 def _start_method(backend: str) -> str:
@@ -49,12 +59,7 @@ def _start_method(backend: str) -> str:
     return "forkserver" if read_at_import == _server_environ else "spawn"
 
 
-def _run(
-    rank: int, world_size: int, port: int, backend: str, environ: dict[str, str], fn: Callable[..., Any],
-    args: tuple[Any, ...],
-) -> None:
-    os.environ.clear()  # the caller's environment, as a spawned process has it (a forked one has the server's)
-    os.environ.update(environ)
+def _configure(rank: int, backend: str) -> None:
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:  # torch's gloo races with its default two worker threads (heap corruption): see the function
@@ -63,9 +68,23 @@ def _run(
         # thread per core) each rank's OpenMP threads spin, waiting for cores the other ranks hold. Measured
         # in the soak test's step on 2 cores: 0.78 CPU-s with 2 threads, 0.025 with 1.
         torch.set_num_threads(1)
-    store = dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=_STORE_TIMEOUT)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
+
+
+def _store(port: int, world_size: int) -> dist.TCPStore:
+    return dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=_STORE_TIMEOUT)
+
+
+def _in_group(
+    rank: int, world_size: int, store: dist.Store, backend: str, environ: dict[str, str], fn: Callable[..., Any],
+    args: tuple[Any, ...], report: Callable[[str], None] | None = None,
+) -> None:
+    """``fn(rank, world_size, *args)`` in a new default group on ``store``, with the caller's environment. What it
+    raises goes to ``report`` (as a traceback) before the group does: the peers' errors that follow (a
+    connection reset) come after the cause."""
+    os.environ.clear()  # the caller's environment, as a spawned process has it (a forked one has the server's)
+    os.environ.update(environ)
     try:
+        dist.init_process_group(backend, store=store, rank=rank, world_size=world_size)
         fn(rank, world_size, *args)
         # Everything that holds the group goes before it: compiled code (CUDA graphs hold the group's
         # captured collectives; a rank stopped in teardown after a CUDA-graph test, twice, with them alive),
@@ -75,8 +94,21 @@ def _run(
         torch._dynamo.reset()
         gc.collect()
         dist.barrier()
+    except BaseException:
+        if report is not None:
+            report(traceback.format_exc())
+        raise
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _run(
+    rank: int, world_size: int, port: int, backend: str, environ: dict[str, str], fn: Callable[..., Any],
+    args: tuple[Any, ...],
+) -> None:
+    _configure(rank, backend)
+    _in_group(rank, world_size, _store(port, world_size), backend, environ, fn, args)
 
 
 def spawn_ranks(
@@ -98,3 +130,139 @@ def spawn_ranks(
         _run, args=(world_size, store.port, backend, dict(os.environ), fn, args), nprocs=world_size,
         start_method=_start_method(backend),
     )
+
+
+def _serve(rank: int, world_size: int, port: int, jobs: Connection) -> None:
+    """A pooled gloo rank: for each ``(fn, args, environ)`` received, ``fn`` in a new group (on a store prefix of
+    its own: nothing a job leaves in the store meets the next one) and the process as a new one would have it;
+    answer None, or the traceback of what ``fn`` raised and stop (its peers may wait in a collective forever: the
+    caller ends the pool). Stop at None too, or when the caller is gone."""
+    _configure(rank, "gloo")
+    store = _store(port, world_size)
+    for number in itertools.count():
+        job = _receive(jobs)
+        if job is None:
+            return
+        fn, args, environ = job
+        try:
+            _in_group(rank, world_size, dist.PrefixStore(f"job{number}/", store), "gloo", environ, fn, args, jobs.send)
+        except BaseException:
+            return
+        counters.clear()  # what a new process would not have: Dynamo's counters, the warnings given once a
+        debug._said.clear()  # process (fsdp_compile.debug.degraded), the random state
+        torch.manual_seed(_SEED_AT_START)
+        jobs.send(None)
+
+
+def _receive(jobs: Connection) -> Any:
+    try:
+        return jobs.recv()
+    except EOFError:  # the caller is gone
+        return None
+
+
+class _Pool:
+    """``world_size`` gloo ranks forked from the fork server, each a :func:`_serve` loop at one end of a pipe."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.store = dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
+        context = mp.get_context("forkserver")
+        self.jobs: list[Connection] = []
+        self.processes = []
+        for rank in range(world_size):
+            mine, theirs = context.Pipe()
+            process = context.Process(target=_serve, args=(rank, world_size, self.store.port, theirs))
+            process.start()
+            theirs.close()
+            self.jobs.append(mine)
+            self.processes.append(process)
+
+    def run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        for jobs in self.jobs:
+            jobs.send((fn, args, dict(os.environ)))
+        waiting, errors = set(range(self.world_size)), {}
+        deadline = None  # after a first error, the others' for a moment (the cause may not be the first to arrive)
+        while waiting and (deadline is None or time.monotonic() < deadline):
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            wait([self.jobs[r] for r in waiting] + [self.processes[r].sentinel for r in waiting], timeout)
+            for rank in sorted(waiting):
+                jobs, process = self.jobs[rank], self.processes[rank]
+                if jobs.poll() or not process.is_alive():
+                    waiting.remove(rank)
+                    answer = _answer(jobs)
+                    if answer is not None:
+                        errors[rank] = answer
+                        deadline = deadline or time.monotonic() + _PEERS_ERRORS_S
+        if errors:
+            self._raise(errors)
+
+    def _raise(self, errors: dict[int, Any]) -> None:
+        exited = {r: self.processes[r] for r, e in errors.items() if e is _GONE}
+        for process in exited.values():
+            process.join()
+        raised = "".join(f"\n\n-- Rank {r} raised:\n{e}" for r, e in sorted(errors.items()) if e is not _GONE)
+        if raised:
+            first = min(r for r, e in errors.items() if e is not _GONE)
+            raise ProcessRaisedException(raised, first, self.processes[first].pid)
+        rank, process = min(exited.items())
+        raise ProcessExitedException(
+            f"rank {rank} exited with code {process.exitcode} before its job returned", rank, process.pid,
+            process.exitcode,
+        )
+
+    def close(self, finish: bool) -> None:
+        """Let the ranks leave their group (``finish``), or kill them (a rank may wait in a collective)."""
+        for jobs, process in zip(self.jobs, self.processes):
+            if finish:
+                jobs.send(None)
+            else:
+                process.kill()
+        for jobs, process in zip(self.jobs, self.processes):
+            process.join(timeout=60)
+            if process.is_alive():
+                process.kill()
+                process.join()
+            jobs.close()
+
+
+_GONE = object()
+_PEERS_ERRORS_S = 2.0
+
+
+def _answer(jobs: Connection) -> Any:
+    """What a rank sent back: None (done) or a traceback; ``_GONE`` where it exited first."""
+    try:
+        return jobs.recv() if jobs.poll() else _GONE
+    except EOFError:
+        return _GONE
+
+
+_pools: dict[int, _Pool] = {}
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """``spawn_ranks(fn, world_size, *args)`` on gloo ranks kept alive for the next call of this world size: the
+    processes (their start, imports and warmed-up caches) are paid for once. Each call sees the caller's
+    environment and finds the ranks as new ones would be: a new default group on a store prefix of its own,
+    Dynamo reset and its counters cleared, torch's default seed. A rank's exception, or exit, ends the pool (its
+    peers may wait in a collective) and the next call starts another. Tests that exit a rank, or read what a
+    process holds since its start (peak memory), use :func:`spawn_ranks`. The ranks end with this process."""
+    if _start_method("gloo") != "forkserver":  # a variable read at import differs from the fork server's
+        spawn_ranks(fn, world_size, *args)
+        return
+    if world_size not in _pools:
+        _pools[world_size] = _Pool(world_size)
+    pool = _pools[world_size]
+    try:
+        pool.run(fn, args)
+    except BaseException:
+        del _pools[world_size]
+        pool.close(finish=False)
+        raise
+
+
+@atexit.register
+def _close_pools() -> None:
+    while _pools:
+        _pools.popitem()[1].close(finish=True)

@@ -15,7 +15,7 @@ import torch.fx as fx
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
-from fsdp_compile._internals import inductor_config, trace_log
+from fsdp_compile._internals import COMPILE_AFRESH, inductor_config, trace_log
 from fsdp_compile.debug import capture_graphs
 from fsdp_compile.testing.dist import hsdp_mesh
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
@@ -71,7 +71,7 @@ def memory_plans() -> Iterator[list[dict]]:
     handler = Collect()
     trace_log.addHandler(handler)
     try:
-        with inductor_config.patch(force_disable_caches=True):
+        with inductor_config.patch(COMPILE_AFRESH):
             yield plans
     finally:
         trace_log.removeHandler(handler)
