@@ -11,7 +11,7 @@ import torch
 
 import fsdp_compile
 from fsdp_compile.testing.dist import hsdp_mesh, run_ranks
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama
 from fsdp_compile.testing.reference import full_grads, reference_step, rel_error
 
 
@@ -19,10 +19,10 @@ def _clip_and_compare(
     rank: int, world_size: int, norm_type: float, compiled: bool, mesh: tuple[int, int] | None = None
 ) -> None:
     torch.manual_seed(0)
-    ref = Llama(LLAMA_TINY).double()
+    ref = Llama(LLAMA_TESTS).double()
     model = fsdp_compile.shard(copy.deepcopy(ref), units=[Block], mesh=hsdp_mesh(mesh))
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True) if compiled else model
-    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2 * world_size, 9), generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2 * world_size, 9), generator=torch.Generator().manual_seed(1))
     local = tokens[2 * rank : 2 * rank + 2]
     run(local[:, :-1], local[:, 1:]).backward()
     reference_step(ref, tokens, torch.float64, world_size)
@@ -58,6 +58,6 @@ def test_clip_grad_norm_with_hsdp() -> None:
 
 
 def test_clip_grad_norm_refuses_a_norm_it_cannot_sum(fake_pg: None) -> None:
-    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
     with pytest.raises(ValueError, match="norm_type must be a positive number or inf, got -1.0"):
         fsdp_compile.clip_grad_norm_(model, 1.0, norm_type=-1)

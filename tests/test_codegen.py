@@ -73,7 +73,7 @@ def test_captured_graphs_are_the_passes_output_even_when_inductor_has_them_cache
     which runs no pass: inside ``capture_graphs`` it is compiled again (CI once saw the first compile's graph
     unplanned)."""
     counters.clear()
-    forward = compile_and_capture(mp=BF16_FP32_REDUCE)["forward"]
+    forward = compile_and_capture(mp=BF16_FP32_REDUCE, cfg=LLAMA_TINY)["forward"]
     nodes = [n.target for n in forward.graph.nodes]
     assert nodes.count(torch.ops.fsdp_compile.all_gather_into_slot.default) == N_UNITS
     assert torch.ops._c10d_functional.all_gather_into_tensor.default not in nodes

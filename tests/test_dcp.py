@@ -16,7 +16,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 import fsdp_compile
 from fsdp_compile.testing.dist import run_ranks, spawn_ranks
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama
 from fsdp_compile.testing.reference import assert_bitwise
 from fsdp_compile.testing.train import train_step, trained
 
@@ -33,7 +33,7 @@ def _save(rank: int, world_size: int, checkpoint: str, reference: str, mesh: tup
     model, compiled, opt = trained(seed=0, steps=2, mesh=mesh)
     sharded = _sharded(model, opt)
     assert type(sharded["model"]["layers.0.attention.wq.weight"]).__name__ == "ShardedTensor"
-    assert sharded["model"]["layers.0.attention.wq.weight"].shape == (LLAMA_TINY.dim, LLAMA_TINY.dim)
+    assert sharded["model"]["layers.0.attention.wq.weight"].shape == (LLAMA_TESTS.dim, LLAMA_TESTS.dim)
     dcp.save(sharded, checkpoint_id=checkpoint)
     saved = _full(model, opt)
     train_step(compiled, opt, 7)
@@ -78,8 +78,8 @@ def test_dcp_between_hsdp_and_fsdp_is_bitwise(checkpoint: tuple[str, str], tmp_p
 
 def _load_unsharded_state_dict(rank: int, world_size: int) -> None:
     torch.manual_seed(3)
-    plain = Llama(LLAMA_TINY)
-    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    plain = Llama(LLAMA_TESTS)
+    model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
     model.load_state_dict(plain.state_dict())
     assert_bitwise(fsdp_compile.full_state_dict(model), plain.state_dict())
     with pytest.raises(ValueError, match=r"assign=True\) would replace the sharded pieces"):

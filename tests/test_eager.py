@@ -13,19 +13,19 @@ from torch._dynamo.utils import counters
 import fsdp_compile
 from fsdp_compile._eager import live_gathers
 from fsdp_compile.testing.dist import run_ranks
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama
 
 
 def _reshard_after_forward(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
-    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
     units = fsdp_compile.sharded_units(model)
     gathered: list[weakref.ref[torch.Tensor]] = []
     for unit in units:
         module = model.get_submodule(unit.layout.fqn)
         # Runs after shard()'s own pre-hook, which has gathered the unit.
         module.register_forward_pre_hook(lambda m, a, unit=unit: gathered.append(weakref.ref(unit.eager.gathered)))
-    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
+    tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, 9))
     counters.clear()
     loss = model(tokens[:, :-1], tokens[:, 1:])
     assert len(gathered) == len(units)
@@ -49,12 +49,12 @@ def test_units_are_resharded_after_forward_and_regathered_once_in_backward() -> 
 
 def _keep_root_gathered(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
-    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], reshard_after_forward=lambda fqn, m: fqn != "")
-    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
+    model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block], reshard_after_forward=lambda fqn, m: fqn != "")
+    tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, 9))
     counters.clear()
     model(tokens[:, :-1], tokens[:, 1:]).backward()
     # The root (tied embedding/output) kept what backward needs of it: only the blocks are gathered again.
-    assert counters["fsdp_compile"]["eager_regathers"] == LLAMA_TINY.n_layers
+    assert counters["fsdp_compile"]["eager_regathers"] == LLAMA_TESTS.n_layers
     assert all(p.grad is not None for p in model.parameters())
 
 
@@ -123,7 +123,7 @@ def _train_through_an_exception(rank: int, world_size: int, compiled: bool) -> N
     from fsdp_compile.testing.reference import reference_step, rel_error
 
     torch.manual_seed(0)
-    ref = Llama(LLAMA_TINY).double()
+    ref = Llama(LLAMA_TESTS).double()
     model = copy.deepcopy(ref)
     for layer in model.layers:
         layer.__class__ = _FailingBlock
@@ -133,16 +133,16 @@ def _train_through_an_exception(rank: int, world_size: int, compiled: bool) -> N
     units = fsdp_compile.sharded_units(model)
 
     def tokens(step: int) -> torch.Tensor:
-        return torch.randint(0, LLAMA_TINY.vocab_size, (2 * world_size, 9), generator=torch.Generator().manual_seed(step))
+        return torch.randint(0, LLAMA_TESTS.vocab_size, (2 * world_size, 9), generator=torch.Generator().manual_seed(step))
 
     for step in range(4):
         batch = tokens(step)
         local = batch[2 * rank : 2 * rank + 2]
         if step == 1:  # the training loop catches the error and goes on with the next batch
-            model.layers[2].fail = True
+            model.layers[1].fail = True
             with pytest.raises(RuntimeError, match="bad batch") as failure:  # kept, as a loop that logs it would
                 run(local[:, :-1], local[:, 1:])
-            model.layers[2].fail = False
+            model.layers[1].fail = False
             assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None, "saved-tensor hooks left installed"
             assert not live_gathers and all(u.eager.gathered is None and u.eager.regathered is None for u in units)
             continue
@@ -178,8 +178,8 @@ def test_an_exception_in_a_units_forward_leaves_the_model_trainable(compiled: bo
 def test_a_deleted_model_is_freed_at_once_and_a_backward_after_it_says_why_it_cannot_run(fake_pg: None) -> None:
     gc.disable()  # no cycle left for the garbage collector: reference counting alone frees the units
     try:
-        model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
-        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
+        model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
+        tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, 9))
         model(tokens[:, :-1], tokens[:, 1:]).backward()
         units = [weakref.ref(u) for u in fsdp_compile.sharded_units(model)]
         loss = model(tokens[:, :-1], tokens[:, 1:])

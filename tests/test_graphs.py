@@ -16,9 +16,9 @@ from fsdp_compile._ops import cast_all_gather_differentiable
 from fsdp_compile.passes.insert_collectives import is_marker
 from fsdp_compile.passes.schedule_overlap import plan_overlap
 from fsdp_compile.testing.graphs import compile_and_capture
-from fsdp_compile.testing.llama import LLAMA_TINY, LlamaConfig, save_matmuls
+from fsdp_compile.testing.llama import LLAMA_TESTS, LlamaConfig, save_matmuls
 
-N_UNITS = LLAMA_TINY.n_layers + 1  # one per block + the root (embedding tied with output, final norm)
+N_UNITS = LLAMA_TESTS.n_layers + 1  # one per block + the root (embedding tied with output, final norm)
 _c10d = torch.ops._c10d_functional
 RS, A2A = _c10d.reduce_scatter_tensor.default, _c10d.all_to_all_single.default
 AG, INTO_SLOT = _c10d.all_gather_into_tensor.default, torch.ops.fsdp_compile.all_gather_into_slot.default
@@ -34,7 +34,7 @@ def _count(gm: fx.GraphModule, targets: object) -> int:
 def _graphs(
     compiler: str,
     mp: fsdp_compile.MixedPrecision,
-    cfg: LlamaConfig = LLAMA_TINY,
+    cfg: LlamaConfig = LLAMA_TESTS,
     gradient_sync: bool = True,
     **shard_options: object,
 ) -> dict[str, fx.GraphModule]:
@@ -143,7 +143,7 @@ def test_collective_dtypes_follow_mixed_precision(case: tuple[dict[str, fx.Graph
 
 
 def test_activation_checkpointing_regathers_each_unit_once() -> None:
-    cfg = dataclasses.replace(LLAMA_TINY, checkpoint_blocks=True)
+    cfg = dataclasses.replace(LLAMA_TESTS, checkpoint_blocks=True)
     graphs = _graphs("aot_eager", fsdp_compile.MixedPrecision(), cfg)
     assert _count(graphs["forward"], ALL_GATHERS) == N_UNITS
     # The recomputed blocks and their gradients share one re-gather per unit.
@@ -225,7 +225,7 @@ def test_selective_checkpointing_saves_the_matmuls_not_the_gathered_parameters()
     """``save_matmuls`` keeps every matmul's output for backward (its backward graph has the matmuls of a
     model without checkpointing, no recomputed one); the all-gathers and their views stay recomputed
     (re-gathered in backward), as without a policy."""
-    cfg = dataclasses.replace(LLAMA_TINY, checkpoint_blocks=True, checkpoint_policy=save_matmuls)
+    cfg = dataclasses.replace(LLAMA_TESTS, checkpoint_blocks=True, checkpoint_policy=save_matmuls)
     selective = _graphs("aot_eager", fsdp_compile.MixedPrecision(), cfg)
     test_no_gathered_parameter_is_saved_for_backward(selective)
     assert _count(selective["backward"], ALL_GATHERS) == N_UNITS

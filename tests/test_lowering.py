@@ -18,9 +18,9 @@ from fsdp_compile._write_slots import slot_hazards
 from fsdp_compile.lowering.choose_route import RouteChoice, choose_route
 from fsdp_compile.lowering.lower_to_symm_mem import SymmMemPlan, apply_symm_mem, plan_symm_mem
 from fsdp_compile.testing.graphs import compile_and_capture, slotted_exchanges
-from fsdp_compile.testing.llama import LLAMA_TINY
+from fsdp_compile.testing.llama import LLAMA_TESTS
 
-N_UNITS = LLAMA_TINY.n_layers + 1
+N_UNITS = LLAMA_TESTS.n_layers + 1
 _c10d = torch.ops._c10d_functional
 AG, WAIT = _c10d.all_gather_into_tensor.default, _c10d.wait_tensor.default
 CE = torch.ops.fsdp_compile.all_gather_copy_engine.default
@@ -269,10 +269,10 @@ def _copy_engines_in_a_group_made_again(rank: int, world_size: int, how: str) ->
             dist.init_process_group("nccl", store=dist.PrefixStore("again", store), rank=rank, world_size=world_size)
         torch._dynamo.reset()
         torch.manual_seed(0)
-        model = Llama(LLAMA_TINY).cuda()
+        model = Llama(LLAMA_TESTS).cuda()
         fsdp_compile.shard(model, units=[Block], mp=MP)
         backend = fsdp_compile.backend(all_gather="copy_engine", grad_reduce="copy_engine")
-        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 17), generator=torch.Generator().manual_seed(rank))
+        tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, 17), generator=torch.Generator().manual_seed(rank))
         tokens = tokens.cuda()
         loss = torch.compile(model, backend=backend)(tokens[:, :-1], tokens[:, 1:])
         loss.backward()

@@ -24,7 +24,7 @@ from torch._dynamo.utils import counters
 import fsdp_compile
 from fsdp_compile.testing.dist import hsdp_mesh, run_ranks, spawn_ranks
 from fsdp_compile.testing.graphs import slotted_exchanges
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, save_matmuls
+from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama, save_matmuls
 from fsdp_compile.testing.reference import full_grads, reference_step, rel_error
 
 BATCH_PER_RANK = 2
@@ -66,7 +66,7 @@ class HFCausalLM(torch.nn.Module):
         from transformers import GPT2Config, GPT2LMHeadModel
 
         cfg = GPT2Config(
-            vocab_size=LLAMA_TINY.vocab_size, n_positions=16, n_embd=32, n_layer=3, n_head=2,
+            vocab_size=LLAMA_TESTS.vocab_size, n_positions=16, n_embd=32, n_layer=3, n_head=2,
             resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="eager",
         )
         self.hf = GPT2LMHeadModel(cfg)
@@ -83,7 +83,7 @@ def _build(case: "Case") -> tuple[torch.nn.Module, list[type[torch.nn.Module]]]:
 
         return HFCausalLM(), [GPT2Block]
     policy = save_matmuls if case.checkpoint == "selective" else None
-    cfg = dataclasses.replace(LLAMA_TINY, checkpoint_blocks=bool(case.checkpoint), checkpoint_policy=policy)
+    cfg = dataclasses.replace(LLAMA_TESTS, checkpoint_blocks=bool(case.checkpoint), checkpoint_policy=policy)
     return Llama(cfg), [Block]
 
 
@@ -177,7 +177,7 @@ def _train_and_compare_here(rank: int, world_size: int, case: Case) -> None:
         for micro in range(case.micro_batches):
             gen = torch.Generator().manual_seed(100 * step + micro)
             shape = (world_size * BATCH_PER_RANK, SEQ + 1)
-            tokens = torch.randint(0, LLAMA_TINY.vocab_size, shape, generator=gen).to(device)
+            tokens = torch.randint(0, LLAMA_TESTS.vocab_size, shape, generator=gen).to(device)
             local = tokens[rank * BATCH_PER_RANK : (rank + 1) * BATCH_PER_RANK]
             last = micro == case.micro_batches - 1
             fsdp_compile.set_requires_gradient_sync(model, case.gradient_sync or last)

@@ -35,9 +35,9 @@ from fsdp_compile._write_slots import slot_hazards
 from fsdp_compile.passes.plan_memory import slot_uses
 from fsdp_compile.passes.write_gradients_in_place import MM_INTO
 from fsdp_compile.testing.graphs import memory_plans, slotted_exchanges
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama
 
-LLAMA_TINY_UNITS = range(LLAMA_TINY.n_layers + 1)  # the blocks and the root
+LLAMA_TINY_UNITS = range(LLAMA_TESTS.n_layers + 1)  # the blocks and the root
 
 
 @st.composite
@@ -206,7 +206,7 @@ def _step(
 
 def _model(name: str) -> tuple[nn.Module, list[type[nn.Module]]]:
     torch.manual_seed(0)
-    return (Llama(LLAMA_TINY), [Block]) if name == "llama" else (Hybrid(), [_Attention, _Mlp])
+    return (Llama(LLAMA_TESTS), [Block]) if name == "llama" else (Hybrid(), [_Attention, _Mlp])
 
 
 @pytest.mark.parametrize("model", ["llama", "hybrid"])
@@ -346,7 +346,7 @@ def test_write_into_slots_when_the_graph_starts_with_a_cast_it_removes() -> None
 
 def _release_and_step_again(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
-    model = Llama(LLAMA_TINY)
+    model = Llama(LLAMA_TESTS)
     fsdp_compile.shard(model, units=[Block])
     compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(rank))
@@ -406,7 +406,7 @@ def test_another_model_compiled_in_the_same_process_is_planned_as_the_first(
         torch.manual_seed(0)
         if not static:
             monkeypatch.setattr(_internals, "mark_static", lambda tensor: None)
-        model = fsdp_compile.shard(Llama(dataclasses.replace(LLAMA_TINY, dim=dim)), units=[Block])
+        model = fsdp_compile.shard(Llama(dataclasses.replace(LLAMA_TESTS, dim=dim)), units=[Block])
         with caplog.at_level(logging.WARNING), memory_plans() as plans, fsdp_compile.debug.capture_graphs() as graphs:
             torch.compile(model, backend=fsdp_compile.backend(compiler=compiler))(tokens, tokens).backward()
         gathered.append([sum(b["kind"] == "gathered" for b in plan["buffers"]) for plan in plans])

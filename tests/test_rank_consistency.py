@@ -20,7 +20,7 @@ import fsdp_compile
 from fsdp_compile._agree import agree
 from fsdp_compile.config import BackendConfig
 from fsdp_compile.testing.dist import run_ranks, spawn_ranks
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
+from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama, LlamaConfig
 
 FAIL_WITHIN_S = 60.0
 
@@ -40,7 +40,7 @@ class ShortInputsSkipTheLastBlock(Llama):
 def _step_must_fail(model: torch.nn.Module, compiled: bool, seq_len: int, expect: list[str]) -> None:
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager")) if compiled else model
     device = next(model.parameters()).device
-    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, seq_len + 1), device=device)
+    tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, seq_len + 1), device=device)
     start = time.monotonic()
     # Compiled: Dynamo wraps what the backend raised (BackendCompilerFailed, with the message).
     with pytest.raises(fsdp_compile.RanksDisagree if not compiled else BackendCompilerFailed) as error:
@@ -54,10 +54,10 @@ def _step_must_fail(model: torch.nn.Module, compiled: bool, seq_len: int, expect
 
 
 def _extra_layer(rank: int, world_size: int, compiled: bool, device: str = "cpu") -> None:
-    config = LlamaConfig(**{**LLAMA_TINY.__dict__, "n_layers": LLAMA_TINY.n_layers + rank})
+    config = LlamaConfig(**{**LLAMA_TESTS.__dict__, "n_layers": LLAMA_TESTS.n_layers + rank})
     model = fsdp_compile.shard(Llama(config).to(device), units=[Block])
-    rank_0_has = "none (it issues 5)" if compiled else "the end of the forward"
-    _step_must_fail(model, compiled, 8, ["collective #6", "all-gather of unit 'layers.4'", rank_0_has])
+    rank_0_has = "none (it issues 3)" if compiled else "the end of the forward"
+    _step_must_fail(model, compiled, 8, ["collective #4", "all-gather of unit 'layers.2'", rank_0_has])
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -78,9 +78,9 @@ def _auto_chooses_per_rank(rank: int, world_size: int) -> None:
     def choose(gm: object, plan: object, config: BackendConfig) -> BackendConfig:  # as peer access might
         return dataclasses.replace(config, all_gather="copy_engine" if rank == 0 else "nccl", grad_reduce="nccl")
 
-    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager", all_gather="auto"))
-    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
+    tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, 9))
     start = time.monotonic()
     with pytest.raises(BackendCompilerFailed) as error, mock.patch.object(_backend, "_choose_routes", choose):
         run(tokens[:, :-1], tokens[:, 1:])
@@ -97,9 +97,9 @@ def test_ranks_on_which_auto_chose_different_all_gather_routes_fail_instead_of_h
 
 def _rank_dependent_shape(rank: int, world_size: int, compiled: bool) -> None:
     torch.manual_seed(0)
-    model = fsdp_compile.shard(ShortInputsSkipTheLastBlock(LLAMA_TINY), units=[Block])
-    rank_0_has = "none (it issues 4)" if compiled else "the end of the forward"
-    _step_must_fail(model, compiled, 6 + 4 * rank, ["collective #5", "all-gather of unit 'layers.3'", rank_0_has])
+    model = fsdp_compile.shard(ShortInputsSkipTheLastBlock(LLAMA_TESTS), units=[Block])
+    rank_0_has = "none (it issues 2)" if compiled else "the end of the forward"
+    _step_must_fail(model, compiled, 6 + 4 * rank, ["collective #3", "all-gather of unit 'layers.1'", rank_0_has])
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
@@ -109,15 +109,15 @@ def test_a_rank_dependent_input_shape_that_changes_the_collectives_fails_on_ever
 
 def _shapes_differ_collectives_agree(rank: int, world_size: int) -> None:
     torch.manual_seed(0)
-    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))
     # Rank 1's second batch is shorter: it recompiles alone, to the same collectives, which every rank has
     # agreed on already, so it does not wait for the others to compile them again.
     counters.clear()
     for seq_len in (8, 8 - 2 * rank, 8):
-        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, seq_len + 1))
+        tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, seq_len + 1))
         run(tokens[:, :-1], tokens[:, 1:]).backward()
-    graphs = counters["fsdp_compile"]["all_gathers"] // (LLAMA_TINY.n_layers + 1)
+    graphs = counters["fsdp_compile"]["all_gathers"] // (LLAMA_TESTS.n_layers + 1)
     assert graphs == 1 + rank, graphs  # rank 1 did compile alone
 
 
@@ -154,9 +154,9 @@ def test_agree_waits_only_while_the_lists_can_still_match() -> None:
 
 def _rank_1_dies(rank: int, world_size: int, compiled: bool) -> None:
     torch.manual_seed(0)
-    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager")) if compiled else model
-    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9))
+    tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, 9))
     run(tokens[:, :-1], tokens[:, 1:]).backward()
     if rank == 1:
         os._exit(0)  # gone in the middle of training, without a word (exit code 0: the harness waits for rank 0)

@@ -16,7 +16,7 @@ import torch
 
 import fsdp_compile
 from fsdp_compile.testing.dist import run_ranks, spawn_ranks
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama
 from fsdp_compile.testing.reference import reference_step, rel_error
 
 
@@ -45,7 +45,7 @@ class _Trainer:
     ) -> None:
         torch.manual_seed(0)
         self.rank, self.world_size, self.device = rank, world_size, device
-        self.ref = Llama(LLAMA_TINY).double().to(device)
+        self.ref = Llama(LLAMA_TESTS).double().to(device)
         self.model = fsdp_compile.shard(copy.deepcopy(self.ref), units=[Block])
         self.backend = _CountingBackend(compiler)
         self.run = torch.compile(self.model, backend=self.backend)
@@ -56,7 +56,7 @@ class _Trainer:
     def batch(self, batch: int, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The global batch and this rank's part of it."""
         gen = torch.Generator().manual_seed(self.steps)
-        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (batch * self.world_size, seq + 1), generator=gen)
+        tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (batch * self.world_size, seq + 1), generator=gen)
         tokens = tokens.to(self.device)
         return tokens, tokens[batch * self.rank : batch * (self.rank + 1)]
 

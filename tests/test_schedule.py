@@ -28,7 +28,7 @@ def _graphs(
     """The scheduled graphs as the overlap pass leaves them (the memory plan, which runs next, not applied: it
     rewrites the all-gathers in place; ``test_codegen.py`` checks that the schedule survives it)."""
     options = {"compiler": "aot_eager", "memory_plan": False, **options}
-    graphs = compile_and_capture(rank=rank, mp=mp, backend_options=options)
+    graphs = compile_and_capture(rank=rank, mp=mp, cfg=LLAMA_TINY, backend_options=options)
     return {stage: gm for stage, gm in graphs.items() if stage != "dynamo"}
 
 

@@ -9,7 +9,7 @@ import torch
 
 import fsdp_compile
 from fsdp_compile.testing.dist import run_ranks
-from fsdp_compile.testing.llama import LLAMA_TINY
+from fsdp_compile.testing.llama import LLAMA_TESTS
 from fsdp_compile.testing.reference import assert_bitwise
 from fsdp_compile.testing.train import train_step, trained
 
@@ -20,7 +20,7 @@ def _round_trip(rank: int, world_size: int) -> None:
     osd = fsdp_compile.full_optimizer_state_dict(model, opt)
     assert sd["output.weight"] is sd["tok_embeddings.weight"]  # tied, as nn.Module.state_dict gives them
     assert set(osd["state"]["layers.0.attention.wq.weight"]) == {"step", "exp_avg", "exp_avg_sq"}
-    assert osd["state"]["layers.0.attention.wq.weight"]["exp_avg"].shape == (LLAMA_TINY.dim, LLAMA_TINY.dim)
+    assert osd["state"]["layers.0.attention.wq.weight"]["exp_avg"].shape == (LLAMA_TESTS.dim, LLAMA_TESTS.dim)
 
     other, other_compiled, other_opt = trained(seed=1, steps=1)  # different weights and optimizer state
     fsdp_compile.load_full_state_dict(other, sd)
@@ -81,13 +81,13 @@ def _bad_loads(rank: int, world_size: int) -> None:
     assert_bitwise(fsdp_compile.full_state_dict(model), before)  # nothing half-loaded
     # An optimizer state that differs across ranks: refused on every rank before any state is gathered.
     if rank == 1:
-        unit = next(u for u in fsdp_compile.sharded_units(model) if u.layout.fqn == "layers.2")
+        unit = next(u for u in fsdp_compile.sharded_units(model) if u.layout.fqn == "layers.0")
         for piece in unit.pieces:
             del opt.state[piece.param]["exp_avg_sq"]
     with pytest.raises(fsdp_compile.RanksDisagree) as error:
         fsdp_compile.full_optimizer_state_dict(model, opt)
-    for part in ("collective #8", "state 'exp_avg_sq' (torch.float32) of unit 'layers.2'",
-                 "state 'exp_avg' (torch.float32) of unit 'layers.3'", "step it on every rank"):
+    for part in ("collective #4", "state 'exp_avg_sq' (torch.float32) of unit 'layers.0'",
+                 "state 'exp_avg' (torch.float32) of unit 'layers.1'", "step it on every rank"):
         assert part in str(error.value), (part, str(error.value))
 
 
@@ -105,7 +105,7 @@ def _rank0_of_a_subgroup(rank: int, world_size: int) -> None:
     if rank == 0:  # not in the group: takes no part
         return
     torch.manual_seed(0)
-    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], group=group)
+    model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block], group=group)
     model(torch.zeros(2, 8, dtype=torch.long), torch.zeros(2, 8, dtype=torch.long)).backward()
     opt = torch.optim.AdamW(model.parameters())
     opt.step()

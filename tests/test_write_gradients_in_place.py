@@ -13,7 +13,7 @@ from fsdp_compile._graph import GRAD_REDUCTIONS
 from fsdp_compile.passes.write_gradients_in_place import COPY_INTO, MM_INTO, ZERO_INTO
 from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.graphs import compile_and_capture
-from fsdp_compile.testing.llama import LLAMA_TINY
+from fsdp_compile.testing.llama import LLAMA_TESTS
 from fsdp_compile.testing.reference import full_grads, rel_error
 
 MP = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -37,7 +37,7 @@ def test_each_blocks_matmuls_write_into_the_flat_gradient_its_reduction_reads() 
     backward = compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager"})["backward"].graph
     flats = [r.args[0] for r in backward.nodes if r.target in GRAD_REDUCTIONS]
     written = [f for f in flats if f.target == torch.ops.aten.empty.memory_format]
-    assert len(written) == LLAMA_TINY.n_layers  # the root's embedding is tied: two gradients summed, left alone
+    assert len(written) == LLAMA_TESTS.n_layers  # the root's embedding is tied: two gradients summed, left alone
     for flat in written:
         targets = [w.target for w in _writers(flat)]
         assert targets.count(MM_INTO) == MATMULS_PER_BLOCK and targets.count(COPY_INTO) == 2, targets

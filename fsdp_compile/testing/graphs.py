@@ -18,7 +18,7 @@ import fsdp_compile
 from fsdp_compile._internals import COMPILE_AFRESH, inductor_config, trace_log
 from fsdp_compile.debug import capture_graphs
 from fsdp_compile.testing.dist import hsdp_mesh
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, LlamaConfig
+from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama, LlamaConfig
 
 __all__ = ["compile_and_capture", "memory_plans", "slotted_exchanges"]
 
@@ -27,7 +27,7 @@ def compile_and_capture(
     *,
     rank: int = 0,
     mp: fsdp_compile.MixedPrecision | None = None,
-    cfg: LlamaConfig = LLAMA_TINY,
+    cfg: LlamaConfig = LLAMA_TESTS,
     gradient_sync: bool = True,
     backend_options: dict[str, Any] | None = None,
     mesh: tuple[int, int] | None = None,

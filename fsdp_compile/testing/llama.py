@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["Block", "Llama", "LlamaConfig", "LLAMA_0_95B", "LLAMA_8B", "LLAMA_TINY", "save_matmuls"]
+__all__ = ["Block", "Llama", "LlamaConfig", "LLAMA_0_95B", "LLAMA_8B", "LLAMA_TESTS", "LLAMA_TINY", "save_matmuls"]
 
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
@@ -40,7 +40,11 @@ class LlamaConfig:
 
 
 LLAMA_TINY = LlamaConfig(vocab_size=64, dim=32, n_layers=4, n_heads=2, ffn_dim=48, max_seq_len=16)
-"""4 units plus the root: parity tests on CPU."""
+"""4 units plus the root: the example, the benchmark's CPU smoke runs."""
+
+LLAMA_TESTS = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=2, ffn_dim=48, max_seq_len=16)
+"""``LLAMA_TINY`` with 2 blocks: 3 units with the root (a first, a middle and a last one to gather), the test
+suite's model. Every test compiles it, most on several ranks, in time about proportional to the blocks."""
 
 LLAMA_0_95B = LlamaConfig(
     vocab_size=32000, dim=2048, n_layers=16, n_heads=16, ffn_dim=5632, max_seq_len=2048, tie_embeddings=False

@@ -7,7 +7,7 @@ import torch.distributed as dist
 
 import fsdp_compile
 from fsdp_compile.testing.dist import hsdp_mesh
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama
 
 __all__ = ["train_step", "trained"]
 
@@ -19,7 +19,7 @@ def trained(
     of shape ``mesh`` if given), compiled, and trained ``steps`` steps with AdamW: (model, compiled model,
     optimizer)."""
     torch.manual_seed(seed)
-    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block], mesh=hsdp_mesh(mesh))
+    model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block], mesh=hsdp_mesh(mesh))
     compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(steps):
@@ -30,7 +30,7 @@ def trained(
 def train_step(compiled: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
     """One step on this rank's batch, which depends on ``step`` and the rank only."""
     gen = torch.Generator().manual_seed(100 + step + dist.get_rank())
-    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 9), generator=gen)
+    tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, 9), generator=gen)
     compiled(tokens[:, :-1], tokens[:, 1:]).backward()
     opt.step()
     opt.zero_grad()
