@@ -1,6 +1,6 @@
-"""Run a function on several ranks: gloo on CPU, or NCCL with one GPU a rank. :func:`run_ranks` keeps a group of
-gloo ranks alive for the next call (a test suite pays for processes and a process group once a world size);
-:func:`spawn_ranks` starts new processes each call."""
+"""Run a function on several ranks: gloo on CPU, or NCCL with one GPU a rank. :func:`run_ranks` keeps gloo
+ranks alive for the next call (a test suite pays for the processes once a world size, a new process group each
+call); :func:`spawn_ranks` starts new processes each call."""
 
 from __future__ import annotations
 
@@ -70,6 +70,11 @@ def _configure(rank: int, backend: str) -> None:
         torch.set_num_threads(1)
 
 
+def _master_store(world_size: int) -> dist.TCPStore:
+    """The ranks' store, served by this process on a port the OS chose (see :func:`spawn_ranks`)."""
+    return dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
+
+
 def _store(port: int, world_size: int) -> dist.TCPStore:
     return dist.TCPStore(_HOST, port, world_size, is_master=False, timeout=_STORE_TIMEOUT)
 
@@ -125,7 +130,7 @@ def spawn_ranks(
     The ranks meet at a store whose server this process holds, on a port the OS chose when it bound it, for
     the whole run. (Choosing a free port here and binding it later in rank 0 could lose the port to another
     process meanwhile: with test runs side by side, one's gloo connections.)"""
-    store = dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
+    store = _master_store(world_size)
     mp.start_processes(
         _run, args=(world_size, store.port, backend, dict(os.environ), fn, args), nprocs=world_size,
         start_method=_start_method(backend),
@@ -166,7 +171,7 @@ class _Pool:
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self.store = dist.TCPStore(_HOST, 0, world_size, is_master=True, wait_for_workers=False, timeout=_STORE_TIMEOUT)
+        self.store = _master_store(world_size)
         context = mp.get_context("forkserver")
         self.jobs: list[Connection] = []
         self.processes = []
