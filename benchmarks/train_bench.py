@@ -601,6 +601,8 @@ def _write(path: str | None, meta: dict[str, Any], results: list[Result]) -> Non
 
 
 def main(argv: list[str] | None = None) -> None:
+    """The program (``argv``: its arguments, default ``sys.argv``); its own process group, or, called in ranks whose
+    default group exists (the tests'), that one."""
     parser = argparse.ArgumentParser(description="fsdp_compile vs FSDP2, SimpleFSDP-style and the bounds, in one run.")
     parser.add_argument("--model", choices=sorted(MODELS), default="0.95b")
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 4096], help="tokens per GPU (sweep points)")
@@ -639,9 +641,11 @@ def main(argv: list[str] | None = None) -> None:
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not use_cuda:
+    own_group = not dist.is_initialized()  # else: called in a job's ranks (the tests'), in their default group
+    if own_group and not use_cuda:
         gloo_one_worker_thread()  # torch's gloo races with two worker threads (heap corruption)
-    dist.init_process_group("nccl" if use_cuda else "gloo")
+    if own_group:
+        dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     hsdp_ok = dist.get_world_size() >= 4 and dist.get_world_size() % 2 == 0
     if args.systems and not hsdp_ok and HSDP & set(args.systems):
@@ -677,7 +681,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"gradient guard (per-parameter gradient norms after step 0 vs {ref}, rtol {GRAD_RTOL}; "
               f"{', '.join(BOUNDS)} not compared: no averaging over ranks): " + ("; ".join(grad_problems) or "OK"))
         _write(args.out, meta, results)
-    dist.destroy_process_group()
+    if own_group:
+        dist.destroy_process_group()
     if loss_problems or grad_problems:
         raise SystemExit(1)
 

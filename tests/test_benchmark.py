@@ -4,19 +4,25 @@ bounds, and the plots are drawn from its JSON."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
+import io
 import json
 import os
 import subprocess
 import sys
-import textwrap
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+from unittest import mock
 
 import pytest
 import torch
+import torch.distributed as dist
 from functorch.compile import make_boxed_func
 from torch._dynamo.backends.common import aot_autograd
 
+from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Llama, LlamaConfig, save_matmuls
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,24 +37,49 @@ GUARDS_OK = (
 )
 
 
-def _bench(tmp_path: "os.PathLike[str]", *args: str, mutation: str = "") -> tuple[subprocess.CompletedProcess, str]:
-    """Run train_bench.py on 2 gloo ranks; ``mutation``: code run first in each rank (to break the library)."""
+class Run(NamedTuple):
+    returncode: int
+    stdout: str  # rank 0's
+
+
+def _bench(tmp_path: "os.PathLike[str]", *args: str, mutation: str = "", torchrun: bool = False) -> tuple[Run, str]:
+    """Run train_bench.py on 2 gloo ranks: its ``main`` on the pool's ranks (no new processes), or the program
+    through torchrun; ``mutation``: a key of ``MUTATIONS``, a patch of the library in effect meanwhile (to break
+    it)."""
     out = os.path.join(tmp_path, "bench.json")
-    script = os.path.join(tmp_path, "mutated_bench.py")
-    with open(script, "w") as f:
-        f.write(f"import runpy, sys\nsys.path.insert(0, 'benchmarks')\n{mutation}\n"
-                "runpy.run_path('benchmarks/train_bench.py', run_name='__main__')\n")
-    # --standalone: a free port for the rendezvous (torchrun's default, 29500, fails a second run beside this one)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", script,
-           "--model", "tiny-untied", "--tokens", "32", "--steps", "3", "--warmup", "1", "--split-steps", "1", "--out", out, *args]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900), out
+    argv = ["--model", "tiny-untied", "--tokens", "32", "--steps", "3", "--warmup", "1", "--split-steps", "1",
+            "--out", out, *args]
+    if torchrun:  # --standalone: a free port for the rendezvous (the default, 29500, fails beside another run)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+               "benchmarks/train_bench.py", *argv]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        return Run(proc.returncode, proc.stdout + proc.stderr[-3000:]), out
+    run_ranks(_bench_rank, 2, str(tmp_path), argv, mutation)
+    with open(os.path.join(tmp_path, "stdout.txt")) as f:
+        returncode, stdout = f.readline(), f.read()
+    return Run(int(returncode), stdout), out
+
+
+def _bench_rank(rank: int, world_size: int, tmp_path: str, argv: list[str], mutation: str) -> None:
+    import train_bench
+
+    stdout = io.StringIO()
+    with MUTATIONS[mutation](), contextlib.redirect_stdout(stdout):
+        try:
+            train_bench.main(argv)
+            returncode = 0
+        except SystemExit as exit:
+            returncode = exit.code if isinstance(exit.code, int) else 1
+    if rank == 0:
+        with open(os.path.join(tmp_path, "stdout.txt"), "w") as f:
+            f.write(f"{returncode}\n{stdout.getvalue()}")
 
 
 def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]") -> None:
     """Every system once, with aot_eager: the systems' results (the guards), the tables and the JSON; the CUDA-graph
     systems, Inductor's, run in the next test."""
     proc, out = _bench(tmp_path, "--compiler", "aot_eager")
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stdout[-3000:]
     for line in GUARDS_OK:
         assert line in proc.stdout, proc.stdout[-3000:]
     assert "| fsdp_compile |" in proc.stdout and "| vs tight bound | vs loose bound | vs fsdp2_eager |" in proc.stdout
@@ -91,15 +122,15 @@ def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]
 def test_benchmark_with_inductor_runs_a_cuda_graph_system_and_compiles_it_again_from_the_fx_graph_cache(
     tmp_path: "os.PathLike[str]",
 ) -> None:
-    """With Inductor (the default), twice: a CUDA-graph system (on CPU Inductor runs it without graphs) agrees
+    """The program through torchrun, with Inductor (the default), twice: a CUDA-graph system (on CPU Inductor runs it without graphs) agrees
     with FSDP2, and its second run compiles from Inductor's FX graph cache (a pass whose cache key changed from
     one model to the next would compile every time: ~30 s a system on GPUs). (no_comm_bound_cudagraphs is
     no_comm_bound, run above, with this system's CUDA-graph step.)"""
     ours = ["fsdp_compile_cudagraphs"]
     # The model and shapes of tests/test_codegen.py's (Inductor's kernels compiled once for both).
     shapes = ("--model", "tiny", "--tokens", "16", "--seq-cap", "8")
-    proc, out = _bench(tmp_path, "--systems", "fsdp2_eager", *ours, "--repeats", "2", *shapes)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, out = _bench(tmp_path, "--systems", "fsdp2_eager", *ours, "--repeats", "2", *shapes, torchrun=True)
+    assert proc.returncode == 0, proc.stdout[-3000:]
     for line in GUARDS_OK:
         assert line in proc.stdout, proc.stdout[-3000:]
     with open(out) as f:
@@ -112,30 +143,43 @@ def test_benchmark_with_inductor_runs_a_cuda_graph_system_and_compiles_it_again_
                for s in ours), again
 
 
-SUM_NOT_AVERAGE = """
-import fsdp_compile._ops as ops
-_all_to_all_avg = ops.all_to_all_avg
-ops.reduce_scatter_avg = lambda t, w, g: ops._c10d.wait_tensor(ops._c10d.reduce_scatter_tensor(t.contiguous(), "sum", w, g))
-ops.all_to_all_avg = lambda t, d, w, g: _all_to_all_avg(t, d, w, g) * w
-"""
-ONE_UNIT_NOT_REDUCED = """
-import torch.distributed as dist
-import fsdp_compile._ops as ops
-_backward, _done = ops._GatherUnit.backward, []
-def backward(ctx, grad):  # the first unit traced: this rank's part of its local gradient, never averaged
-    if _done:
-        return _backward(ctx, grad)
-    _done.append(True)
-    return grad.chunk(ctx.how.world_size)[dist.get_rank()].to(ctx.shard_dtype), None, None
-ops._GatherUnit.backward = staticmethod(backward)
-"""
+@contextlib.contextmanager
+def _sum_not_average() -> Iterator[None]:
+    import fsdp_compile._ops as ops
+
+    all_to_all_avg = ops.all_to_all_avg
+    with mock.patch.object(ops, "reduce_scatter_avg", lambda t, w, g: ops._c10d.wait_tensor(
+            ops._c10d.reduce_scatter_tensor(t.contiguous(), "sum", w, g))), \
+            mock.patch.object(ops, "all_to_all_avg", lambda t, d, w, g: all_to_all_avg(t, d, w, g) * w):
+        yield
 
 
-@pytest.mark.parametrize("mutation", [SUM_NOT_AVERAGE, ONE_UNIT_NOT_REDUCED], ids=["sum_not_average", "one_unit_not_reduced"])
+@contextlib.contextmanager
+def _one_unit_not_reduced() -> Iterator[None]:
+    import fsdp_compile._ops as ops
+
+    backward, done = ops._GatherUnit.backward, []
+
+    def first_unreduced(ctx: Any, grad: torch.Tensor) -> Any:  # the first unit traced: this rank's part of its
+        if done:  # local gradient, never averaged
+            return backward(ctx, grad)
+        done.append(True)
+        return grad.chunk(ctx.how.world_size)[dist.get_rank()].to(ctx.shard_dtype), None, None
+
+    with mock.patch.object(ops._GatherUnit, "backward", staticmethod(first_unreduced)):
+        yield
+
+
+MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
+    "": contextlib.nullcontext, "sum_not_average": _sum_not_average, "one_unit_not_reduced": _one_unit_not_reduced,
+}
+
+
+@pytest.mark.parametrize("mutation", ["sum_not_average", "one_unit_not_reduced"])
 def test_the_gradient_guard_fails_a_library_that_does_not_average(tmp_path: "os.PathLike[str]", mutation: str) -> None:
     systems = ("--systems", "fsdp2_eager", "fsdp_compile")  # the reference and the mutated library
-    proc, _ = _bench(tmp_path, *systems, "--compiler", "aot_eager", mutation=textwrap.dedent(mutation))
-    assert proc.returncode == 1, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc, _ = _bench(tmp_path, *systems, "--compiler", "aot_eager", mutation=mutation)
+    assert proc.returncode == 1, proc.stdout[-3000:]
     assert GUARDS_OK[0] in proc.stdout  # the loss cannot tell (AdamW is invariant to a gradient scale) ...
     assert "gradient guard" in proc.stdout and "fsdp_compile gradient of" in proc.stdout  # ... the gradients can
 

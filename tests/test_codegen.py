@@ -22,9 +22,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
 from fsdp_compile.testing.graphs import compile_and_capture, slotted_exchanges
-from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
+from fsdp_compile.testing.llama import LLAMA_TESTS, LLAMA_TINY, Block, Llama, LlamaConfig
 
-N_UNITS = LLAMA_TINY.n_layers + 1
+N_UNITS = LLAMA_TINY.n_layers + 1  # the fixture's model: slots reused across 5 units
 BF16_FP32_REDUCE = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 AG = "torch.ops._c10d_functional.all_gather_into_tensor.default("
 AG_OUT = "extern_kernels.fsdp_compile_all_gather_into_slot("  # the op's function, called directly
@@ -33,21 +33,24 @@ A2A = "torch.ops._c10d_functional.all_to_all_single.default("
 EXCHANGE = "extern_kernels.fsdp_compile_exchange_into_slot("
 
 
-def _code(backend: object, checkpoint: bool = False, **compile_options: object) -> list[str]:
+def _code(
+    backend: object, checkpoint: bool = False, cfg: LlamaConfig = LLAMA_TINY, **compile_options: object
+) -> list[str]:
     """Inductor's code for the forward and backward graphs of a tiny Llama (bf16 params, fp32 reduce; each block
     under activation checkpointing if ``checkpoint``); ``compile_options`` go to ``torch.compile`` (``mode=``,
-    ``options=``)."""
+    ``options=``). ``cfg``: ``LLAMA_TINY`` (4 blocks, the fixture's), or ``LLAMA_TESTS`` (2 blocks: half the
+    compile) where a claim holds for any number of units."""
     torch._dynamo.reset()
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
     try:
         torch.manual_seed(0)
         model = fsdp_compile.shard(
-            Llama(dataclasses.replace(LLAMA_TINY, checkpoint_blocks=checkpoint)),
+            Llama(dataclasses.replace(cfg, checkpoint_blocks=checkpoint)),
             units=[Block],
             mp=BF16_FP32_REDUCE,
         )
         compiled = torch.compile(model, backend=backend, fullgraph=True, **compile_options)  # type: ignore[call-overload]
-        tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
+        tokens = torch.randint(0, cfg.vocab_size, (2, 8))
         _, code = run_and_get_code(lambda: compiled(tokens, tokens).backward())
     finally:
         dist.destroy_process_group()
@@ -214,9 +217,9 @@ def test_each_slotted_exchange_keeps_its_gradient_until_it_is_waited_for_and_the
     The slot holds the peers' parts only: after the wait, the first kernel sums them with this rank's own part,
     read from the gradient (no copy of it)."""
     with slotted_exchanges():
-        backward = _code("fsdp_compile")[1]
+        backward = _code("fsdp_compile", cfg=LLAMA_TESTS)[1]
     exchanges = re.findall(rf"^\s*({re.escape(EXCHANGE)}(buf\d+), \d+, '\d+', out=(.+)\))$", backward, re.MULTILINE)
-    assert len(exchanges) == N_UNITS and A2A not in backward
+    assert len(exchanges) == LLAMA_TESTS.n_layers + 1 and A2A not in backward
     for line, gradient, out in exchanges:
         start = backward.index(line)
         wait = backward.index(f"fsdp_compile_wait_exchange({out}, {gradient})", start)
@@ -228,10 +231,10 @@ def test_each_slotted_exchange_keeps_its_gradient_until_it_is_waited_for_and_the
 
 @pytest.mark.slow
 def test_without_the_memory_plan_each_all_gather_has_its_own_output() -> None:
-    forward, backward = _code(fsdp_compile.backend(memory_plan=False))
+    forward, backward = _code(fsdp_compile.backend(memory_plan=False), cfg=LLAMA_TESTS)
     for graph in (forward, backward):
         assert SLOT not in graph and AG_OUT not in graph
-        assert len(_gathers(graph)) == N_UNITS
+        assert len(_gathers(graph)) == LLAMA_TESTS.n_layers + 1
 
 
 @pytest.mark.slow
@@ -250,7 +253,7 @@ def test_inductor_keeps_the_overlap_schedule(code: list[str]) -> None:
 
 @pytest.mark.slow
 def test_without_the_pass_no_all_gather_overlaps() -> None:
-    forward, backward = _code(fsdp_compile.backend(overlap=False))
+    forward, backward = _code(fsdp_compile.backend(overlap=False), cfg=LLAMA_TESTS)
     assert _overlapped_gathers(forward) == 0
     assert _overlapped_gathers(backward) == 0
 
@@ -265,11 +268,11 @@ def test_cudagraphs_option_reaches_inductor(monkeypatch: pytest.MonkeyPatch) -> 
     freed: list[int] = []
     monkeypatch.setattr(torch._inductor.cudagraph_trees, "reset_cudagraph_trees", lambda: freed.append(1))
     counters.clear()
-    _code(fsdp_compile.backend(cudagraphs=True))
+    _code(fsdp_compile.backend(cudagraphs=True), cfg=LLAMA_TESTS)
     assert counters["inductor"]["cudagraph_skips"] == 1, dict(counters["inductor"])
     assert freed == [1]  # by _code's destroy_process_group()
     counters.clear()
-    _code(fsdp_compile.backend())
+    _code(fsdp_compile.backend(), cfg=LLAMA_TESTS)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert freed == [1]
 
@@ -301,10 +304,10 @@ def test_compile_mode_and_options_reach_inductor_beside_the_passes(
         return real(gm, example_inputs, **kwargs)
 
     monkeypatch.setattr(_internals, "compile_fx_inner", spy)
-    forward, backward = _code("fsdp_compile", **compile_options)
+    forward, backward = _code("fsdp_compile", cfg=LLAMA_TESTS, **compile_options)
     assert seen == [(expected, True)] * 2
-    assert len(_gathers(forward)) == N_UNITS
-    assert _overlapped_gathers(backward) == N_UNITS - 1  # the overlap schedule survived
+    assert len(_gathers(forward)) == LLAMA_TESTS.n_layers + 1
+    assert _overlapped_gathers(backward) == LLAMA_TESTS.n_layers  # the overlap schedule survived
 
 
 @pytest.mark.parametrize(

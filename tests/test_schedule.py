@@ -1,7 +1,9 @@
-"""schedule_overlap at graph level (CPU, fake process group, the AOT graphs under aot_eager)."""
+"""schedule_overlap at graph level (CPU, fake process group, the AOT graphs under aot_eager): the pass's options
+on copies of one compile's graphs, the default options through the whole pipeline."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -11,7 +13,7 @@ from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 
 import fsdp_compile
-from fsdp_compile.passes.schedule_overlap import apply_overlap, plan_overlap
+from fsdp_compile.passes.schedule_overlap import ScheduleOverlap, apply_overlap, plan_overlap
 from fsdp_compile.testing.graphs import compile_and_capture
 from fsdp_compile.testing.llama import LLAMA_TINY
 
@@ -33,14 +35,25 @@ def _graphs(
 
 
 @functools.cache
-def _scheduled(prefetch: int = 1, max_inflight_grad_reductions: int = 2, overlap: bool = True) -> dict[str, fx.GraphModule]:
-    """The graphs with these schedule options, compiled once per test module run (tests only read them)."""
-    return _graphs(prefetch=prefetch, max_inflight_grad_reductions=max_inflight_grad_reductions, overlap=overlap)
+def _unscheduled() -> dict[str, fx.GraphModule]:
+    """The graphs as the overlap pass gets them (no pass after it: gradients not written in place), compiled once."""
+    return _graphs(overlap=False, gradients_in_place=False)
+
+
+@functools.cache
+def _scheduled(prefetch: int = 1, max_inflight_grad_reductions: int = 2) -> dict[str, fx.GraphModule]:
+    """The overlap pass with these options applied to copies of ``_unscheduled()``'s graphs (tests only read them)."""
+    schedule = ScheduleOverlap(prefetch=prefetch, max_inflight_grad_reductions=max_inflight_grad_reductions)
+    graphs = {stage: copy.deepcopy(gm) for stage, gm in _unscheduled().items()}
+    for gm in graphs.values():
+        schedule.apply(gm, schedule.plan(gm.graph))
+    return graphs
 
 
 @pytest.fixture(scope="module")
 def scheduled() -> dict[str, fx.GraphModule]:
-    return _scheduled()
+    """The whole pipeline's graphs, default options (the schedule, then the gradients written in place)."""
+    return _graphs()
 
 
 def _units(gm: fx.GraphModule) -> list[dict[str, int]]:
@@ -96,7 +109,7 @@ def test_next_units_all_gather_runs_beside_this_units_matmuls(scheduled: dict, s
 
 @pytest.mark.parametrize("stage", ["forward", "backward"])
 def test_without_the_pass_each_all_gather_is_issued_at_its_use(stage: str) -> None:
-    gm = _scheduled(overlap=False)[stage]
+    gm = _unscheduled()[stage]
     assert _gathers_in_flight(gm) == [[]] * N_UNITS
     units = _units(gm)
     for this, nxt in zip(units, units[1:]):
@@ -161,7 +174,7 @@ def _max_alive(gm: fx.GraphModule) -> int:
 
 @pytest.mark.parametrize("prefetch", [1, 2])
 def test_prefetch_keeps_prefetch_more_units_alive(prefetch: int) -> None:
-    baseline, graphs = _scheduled(overlap=False), _scheduled(prefetch=prefetch)
+    baseline, graphs = _unscheduled(), _scheduled(prefetch=prefetch)
     for stage, gm in graphs.items():
         # Without prefetch: the unit being computed (and, in forward, the root, used again at the end).
         assert _max_alive(gm) == _max_alive(baseline[stage]) + prefetch, stage
@@ -193,8 +206,8 @@ def test_the_pass_runs_in_inductors_observer_and_can_be_switched_off_by_name() -
     """Each pass runs through Inductor's GraphTransformObserver under ``fsdp_compile.<pass>``, so
     ``torch._inductor.config.disabled_passes`` reaches it (and a graph dump can show it)."""
     with inductor_config.patch(disabled_passes="fsdp_compile.schedule_overlap"):
-        disabled = _graphs()
-    unscheduled = _scheduled(overlap=False)
+        disabled = _graphs(gradients_in_place=False)
+    unscheduled = _unscheduled()
     for stage in ("forward", "backward"):
         assert _order(disabled[stage]) == _order(unscheduled[stage])
 
