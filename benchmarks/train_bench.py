@@ -112,7 +112,7 @@ from torch.utils.checkpoint import (
 import fsdp_compile
 from fsdp_compile._internals import cuda_driver
 from fsdp_compile.testing.dist import gloo_one_worker_thread, hsdp_mesh
-from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_8B, LLAMA_TINY, Llama, LlamaConfig, save_matmuls
+from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_8B, LLAMA_TESTS, LLAMA_TINY, Llama, LlamaConfig, save_matmuls
 from fsdp_compile.testing.profile import communication_overlap, trace_steps
 
 from report import (  # benchmarks/
@@ -120,7 +120,7 @@ from report import (  # benchmarks/
 )
 
 MODELS = {
-    "0.95b": LLAMA_0_95B, "8.8b": LLAMA_8B, "tiny": LLAMA_TINY,
+    "0.95b": LLAMA_0_95B, "8.8b": LLAMA_8B, "tiny": LLAMA_TINY, "tests": LLAMA_TESTS,
     "tiny-untied": dataclasses.replace(LLAMA_TINY, tie_embeddings=False),
 }
 CHECKPOINTING = {

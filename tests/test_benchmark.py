@@ -127,15 +127,15 @@ def test_benchmark_with_inductor_runs_a_cuda_graph_system_and_compiles_it_again_
     one model to the next would compile every time: ~30 s a system on GPUs). (no_comm_bound_cudagraphs is
     no_comm_bound, run above, with this system's CUDA-graph step.)"""
     ours = ["fsdp_compile_cudagraphs"]
-    # The model and shapes of tests/test_codegen.py's (Inductor's kernels compiled once for both).
-    shapes = ("--model", "tiny", "--tokens", "16", "--seq-cap", "8")
+    # The tests' model (2 blocks: Inductor compiles half of tiny's 4) and test_codegen.py's batch of 2 x 8 tokens.
+    shapes = ("--model", "tests", "--tokens", "16", "--seq-cap", "8")
     proc, out = _bench(tmp_path, "--systems", "fsdp2_eager", *ours, "--repeats", "2", *shapes, torchrun=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     for line in GUARDS_OK:
         assert line in proc.stdout, proc.stdout[-3000:]
     with open(out) as f:
         data = json.load(f)
-    assert data["meta"]["compiler"] == "inductor" and data["meta"]["model"] == "tiny"
+    assert data["meta"]["compiler"] == "inductor" and data["meta"]["model"] == "tests"
     assert sorted((r["system"], r["repeat"]) for r in data["results"]) == sorted(
         (s, repeat) for s in ["fsdp2_eager", *ours] for repeat in (0, 1))
     again = {r["system"]: r["extra"]["caches"] for r in data["results"] if r["repeat"] == 1}
