@@ -642,9 +642,9 @@ def main(argv: list[str] | None = None) -> None:
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     own_group = not dist.is_initialized()  # else: called in a job's ranks (the tests'), in their default group
-    if own_group and not use_cuda:
-        gloo_one_worker_thread()  # torch's gloo races with two worker threads (heap corruption)
     if own_group:
+        if not use_cuda:
+            gloo_one_worker_thread()  # torch's gloo races with two worker threads (heap corruption)
         dist.init_process_group("nccl" if use_cuda else "gloo")
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     hsdp_ok = dist.get_world_size() >= 4 and dist.get_world_size() % 2 == 0

@@ -122,8 +122,8 @@ def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]
 def test_benchmark_with_inductor_runs_a_cuda_graph_system_and_compiles_it_again_from_the_fx_graph_cache(
     tmp_path: "os.PathLike[str]",
 ) -> None:
-    """The program through torchrun, with Inductor (the default), twice: a CUDA-graph system (on CPU Inductor runs it without graphs) agrees
-    with FSDP2, and its second run compiles from Inductor's FX graph cache (a pass whose cache key changed from
+    """The program through torchrun, with Inductor (the default), twice: a CUDA-graph system (on CPU Inductor runs
+    it without graphs) agrees with FSDP2, and its second run compiles from Inductor's FX graph cache (a pass whose cache key changed from
     one model to the next would compile every time: ~30 s a system on GPUs). (no_comm_bound_cudagraphs is
     no_comm_bound, run above, with this system's CUDA-graph step.)"""
     ours = ["fsdp_compile_cudagraphs"]

@@ -25,6 +25,7 @@ from fsdp_compile.testing.graphs import compile_and_capture, slotted_exchanges
 from fsdp_compile.testing.llama import LLAMA_TESTS, LLAMA_TINY, Block, Llama, LlamaConfig
 
 N_UNITS = LLAMA_TINY.n_layers + 1  # the fixture's model: slots reused across 5 units
+N_TESTS_UNITS = LLAMA_TESTS.n_layers + 1  # the variants' (2 blocks)
 BF16_FP32_REDUCE = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 AG = "torch.ops._c10d_functional.all_gather_into_tensor.default("
 AG_OUT = "extern_kernels.fsdp_compile_all_gather_into_slot("  # the op's function, called directly
@@ -219,7 +220,7 @@ def test_each_slotted_exchange_keeps_its_gradient_until_it_is_waited_for_and_the
     with slotted_exchanges():
         backward = _code("fsdp_compile", cfg=LLAMA_TESTS)[1]
     exchanges = re.findall(rf"^\s*({re.escape(EXCHANGE)}(buf\d+), \d+, '\d+', out=(.+)\))$", backward, re.MULTILINE)
-    assert len(exchanges) == LLAMA_TESTS.n_layers + 1 and A2A not in backward
+    assert len(exchanges) == N_TESTS_UNITS and A2A not in backward
     for line, gradient, out in exchanges:
         start = backward.index(line)
         wait = backward.index(f"fsdp_compile_wait_exchange({out}, {gradient})", start)
@@ -234,7 +235,7 @@ def test_without_the_memory_plan_each_all_gather_has_its_own_output() -> None:
     forward, backward = _code(fsdp_compile.backend(memory_plan=False), cfg=LLAMA_TESTS)
     for graph in (forward, backward):
         assert SLOT not in graph and AG_OUT not in graph
-        assert len(_gathers(graph)) == LLAMA_TESTS.n_layers + 1
+        assert len(_gathers(graph)) == N_TESTS_UNITS
 
 
 @pytest.mark.slow
@@ -306,8 +307,8 @@ def test_compile_mode_and_options_reach_inductor_beside_the_passes(
     monkeypatch.setattr(_internals, "compile_fx_inner", spy)
     forward, backward = _code("fsdp_compile", cfg=LLAMA_TESTS, **compile_options)
     assert seen == [(expected, True)] * 2
-    assert len(_gathers(forward)) == LLAMA_TESTS.n_layers + 1
-    assert _overlapped_gathers(backward) == LLAMA_TESTS.n_layers  # the overlap schedule survived
+    assert len(_gathers(forward)) == N_TESTS_UNITS
+    assert _overlapped_gathers(backward) == N_TESTS_UNITS - 1  # the overlap schedule survived
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ from torch._dynamo.utils import counters
 from torch._inductor import config as inductor_config
 
 import fsdp_compile
-from fsdp_compile.passes.schedule_overlap import ScheduleOverlap, apply_overlap, plan_overlap
+from fsdp_compile.passes.schedule_overlap import apply_overlap, plan_overlap
 from fsdp_compile.testing.graphs import compile_and_capture
 from fsdp_compile.testing.llama import LLAMA_TINY
 
@@ -43,10 +43,9 @@ def _unscheduled() -> dict[str, fx.GraphModule]:
 @functools.cache
 def _scheduled(prefetch: int = 1, max_inflight_grad_reductions: int = 2) -> dict[str, fx.GraphModule]:
     """The overlap pass with these options applied to copies of ``_unscheduled()``'s graphs (tests only read them)."""
-    schedule = ScheduleOverlap(prefetch=prefetch, max_inflight_grad_reductions=max_inflight_grad_reductions)
     graphs = {stage: copy.deepcopy(gm) for stage, gm in _unscheduled().items()}
     for gm in graphs.values():
-        schedule.apply(gm, schedule.plan(gm.graph))
+        apply_overlap(gm, plan_overlap(gm.graph, prefetch=prefetch, max_inflight_grad_reductions=max_inflight_grad_reductions))
     return graphs
 
 
