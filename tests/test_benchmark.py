@@ -75,6 +75,7 @@ def _bench_rank(rank: int, world_size: int, tmp_path: str, argv: list[str], muta
             f.write(f"{returncode}\n{stdout.getvalue()}")
 
 
+@pytest.mark.slow
 def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]") -> None:
     """Every system once, with aot_eager: the systems' results (the guards), the tables and the JSON; the CUDA-graph
     systems, Inductor's, run in the next test."""
@@ -175,6 +176,7 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mutation", ["sum_not_average", "one_unit_not_reduced"])
 def test_the_gradient_guard_fails_a_library_that_does_not_average(tmp_path: "os.PathLike[str]", mutation: str) -> None:
     systems = ("--systems", "fsdp2_eager", "fsdp_compile")  # the reference and the mutated library

@@ -63,6 +63,7 @@ def code() -> list[str]:
     return _code("fsdp_compile")  # by name: the registered backend, default options (overlap on)
 
 
+@pytest.mark.slow
 def test_the_same_model_compiled_again_comes_from_inductors_fx_graph_cache(code: list[str]) -> None:
     """The passes' cache keys do not change from one model to the next (or every model would compile afresh:
     ~30 s on GPUs), so the fixture's graphs are loaded from Inductor's FX graph cache."""
@@ -72,6 +73,7 @@ def test_the_same_model_compiled_again_comes_from_inductors_fx_graph_cache(code:
     assert "fxgraph_cache_miss" not in counters["inductor"], dict(counters["inductor"])
 
 
+@pytest.mark.slow
 def test_captured_graphs_are_the_passes_output_even_when_inductor_has_them_cached(code: list[str]) -> None:
     """The same graph compiled again comes from Inductor's FX graph cache (the fixture's compile put it there),
     which runs no pass: inside ``capture_graphs`` it is compiled again (CI once saw the first compile's graph

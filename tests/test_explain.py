@@ -80,6 +80,7 @@ def _explain(*args: str) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
 
 
+@pytest.mark.slow
 def test_the_dump_folder_holds_every_pass_and_plan_for_each_rank_and_graph(dump: Path) -> None:
     for rank in (0, 1):
         (graph,) = [d for d in (dump / f"rank{rank}").iterdir() if d.is_dir()]
@@ -94,6 +95,7 @@ def test_the_dump_folder_holds_every_pass_and_plan_for_each_rank_and_graph(dump:
         assert any(e["event"] == "compilation_metrics" and e["graph"] == graph.name for e in events)
 
 
+@pytest.mark.slow
 def test_explain_prints_the_units_the_collectives_the_memory_plan_and_draws_the_step(dump: Path) -> None:
     proc = _explain(str(dump))
     assert proc.returncode == 0, proc.stderr
@@ -123,6 +125,7 @@ def test_explain_prints_the_units_the_collectives_the_memory_plan_and_draws_the_
     assert memory.tag == f"{SVG}svg" and sum(1 for _ in memory.iter(f"{SVG}title")) == 9  # every buffer planned
 
 
+@pytest.mark.slow
 def test_explain_overlays_a_cpu_profiler_trace(dump: Path) -> None:
     proc = _explain(str(dump), "--trace", str(dump / "trace_rank0.json"))
     assert proc.returncode == 0, proc.stderr
@@ -164,6 +167,7 @@ def test_a_gpu_trace_counts_nccl_kernels_and_peer_copies_not_kernels_named_after
     assert any("not whole steps" in line for line in _pictures.exposed_by_unit(trace, schedules))
 
 
+@pytest.mark.slow
 def test_explain_piped_into_a_reader_that_stops_early_still_writes_the_pictures(dump: Path, tmp_path: Path) -> None:
     copy = tmp_path / "dump"
     shutil.copytree(dump, copy)
@@ -176,6 +180,7 @@ def test_explain_piped_into_a_reader_that_stops_early_still_writes_the_pictures(
     assert sorted(p.name for p in copy.glob("*.svg")) == ["memory.svg", "timeline.svg"]
 
 
+@pytest.mark.slow
 def test_ranks_whose_graphs_differ_are_flagged(dump: Path, tmp_path: Path) -> None:
     copy = tmp_path / "dump"
     shutil.copytree(dump, copy)
@@ -185,6 +190,7 @@ def test_ranks_whose_graphs_differ_are_flagged(dump: Path, tmp_path: Path) -> No
     assert "ranks [0]" in warning and "ranks [1]" in warning
 
 
+@pytest.mark.slow
 def test_explain_refuses_a_folder_without_a_dump_and_a_missing_trace(dump: Path, tmp_path: Path) -> None:
     proc = _explain(str(tmp_path))
     assert proc.returncode == 2 and "holds no dump" in proc.stderr and "FSDP_COMPILE_DUMP" in proc.stderr

@@ -296,6 +296,7 @@ def test_with_exchanges_in_slots_the_ranks_key_inductors_caches_apart() -> None:
     assert uuids[0][0] != uuids[1][0] and uuids[0][1:] == uuids[1][1:]
 
 
+@pytest.mark.slow
 def test_inductor_logs_the_plan_of_its_post_grad_graphs(fake_pg: None) -> None:
     torch.manual_seed(0)
     plans, _ = _step(Hybrid(), [_Attention, _Mlp], "inductor")
@@ -384,6 +385,7 @@ def test_destroy_process_group_frees_the_slabs() -> None:
         assert fsdp_compile.slab_bytes() == 0
 
 
+@pytest.mark.slow
 def test_another_model_compiled_in_the_same_process_is_planned_as_the_first(
     fake_pg: None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -165,6 +165,7 @@ def test_no_library_module_is_long() -> None:
     assert not long, f"split these modules (over {MAX_LINES} lines): {long}"
 
 
+@pytest.mark.slow
 def test_the_wheel_installs_passes_and_lowering_inside_the_package(tmp_path: Path) -> None:
     """pyproject.toml maps the top-level folders into the package: nothing called passes or lowering may
     land at the top of site-packages."""
