@@ -159,6 +159,7 @@ def test_no_kernel_uses_a_slot_while_its_all_gather_is_in_flight(code: list[str]
         assert _uses_while_in_flight(graph) == []
 
 
+@pytest.mark.slow
 def test_each_blocks_weight_gradients_are_written_by_their_matmuls_into_what_its_exchange_sends(
     code: list[str],
 ) -> None:
@@ -174,6 +175,7 @@ def test_each_blocks_weight_gradients_are_written_by_their_matmuls_into_what_its
         assert len(writes["copy_into"]) == 2, flat  # the two norms' weights
 
 
+@pytest.mark.slow
 def test_the_step_ops_that_return_nothing_are_called_as_functions(code: list[str]) -> None:
     """Inductor's code calls the library's step ops that return nothing (the collectives into slots, their waits,
     the in-place gradient writes) as their functions, not through the dispatcher (2.7-7 µs of host time a call
