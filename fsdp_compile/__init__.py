@@ -8,6 +8,7 @@ from fsdp_compile._agree import RanksDisagree
 from fsdp_compile._backend import backend
 from fsdp_compile._clip_grad_norm import clip_grad_norm_
 from fsdp_compile._describe import ShardingSummary, describe, sync_buffers
+from fsdp_compile._init_parameters import init_parameters
 from fsdp_compile._shard import set_requires_gradient_sync, shard
 from fsdp_compile._sharded_state_dict import load_sharded_optimizer_state_dict, sharded_optimizer_state_dict
 from fsdp_compile._state_dict import (
@@ -33,6 +34,7 @@ __all__ = [
     "describe",
     "full_optimizer_state_dict",
     "full_state_dict",
+    "init_parameters",
     "load_full_optimizer_state_dict",
     "load_full_state_dict",
     "load_sharded_optimizer_state_dict",

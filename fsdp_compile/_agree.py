@@ -3,7 +3,8 @@ process group's store and raise an error naming the first difference, instead of
 collectives until the transport times out.
 
 Checked: each compiled graph's all-gathers (once per compilation), eager mode's gathers until a first
-forward completes, and the optimizer-state keys a full optimizer state dict gathers. The protocol, and why
+forward completes, and the optimizer-state keys a full optimizer state dict gathers. And, at ``shard()``, the
+units' values (:func:`agree_on_values`): ranks that start from different weights would train a mixture. The protocol, and why
 it never waits for a rank that compiled the same collectives earlier: [Note: rank consistency] in
 docs/architecture.md.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -25,7 +27,9 @@ from fsdp_compile import _internals
 if TYPE_CHECKING:
     from fsdp_compile._unit import UnitState
 
-__all__ = ["EagerFirstForward", "RanksDisagree", "agree"]
+__all__ = ["EagerFirstForward", "RanksDisagree", "agree", "agree_on_values", "fingerprint"]
+
+log = logging.getLogger(__name__)
 
 _PREFIX = "fsdp_compile/agree/"
 _FAILED = "failed:"
@@ -161,3 +165,48 @@ class _BeforeGather:
         if torch.compiler.is_compiling() or self.check.done:
             return
         self.check.agree_on(self.gather)
+
+
+_values_checks: dict[str, int] = {}
+"""Group name -> ``agree_on_values`` calls so far (every rank makes them in the same order: ``shard()`` is collective)."""
+
+
+def agree_on_values(group: dist.ProcessGroup, fingerprints: Sequence[tuple[str, str, str]]) -> None:
+    """Raise on every rank of ``group`` if its ``(unit, layout, values)`` fingerprints differ in values from rank
+    0's, naming the first differing unit: ranks that start from different weights would train a mixture of them,
+    silently (each keeps its own chunk). Units that differ in layout are left to the collectives' check, which
+    names the first differing collective. Through the group's store; skipped (and logged) under the fake
+    process group."""
+    if dist.get_world_size(group) == 1 or not fingerprints:
+        return
+    if dist.get_backend(group) == "fake":
+        log.info("fsdp_compile.shard: the ranks' weights are not compared under the fake process group (no peers)")
+        return
+    store = _internals.group_store(group)
+    call = _values_checks[group.group_name] = _values_checks.get(group.group_name, 0) + 1
+    keys = [f"{_PREFIX}values/{call}/{q}" for q in range(dist.get_world_size(group))]
+    store.set(keys[dist.get_rank(group)], json.dumps([list(f) for f in fingerprints]))
+    store.wait(keys)
+    lists = [json.loads(store.get(key)) for key in keys]
+    if any([u[:2] for u in other] != [u[:2] for u in lists[0]] for other in lists[1:]):
+        return
+    for q, other in enumerate(lists[1:], 1):
+        differ = next((mine[0] for mine, ref in zip(other, lists[0]) if mine != ref), None)
+        if differ is not None:
+            raise ValueError(
+                f"fsdp_compile.shard(): rank {q} (of group {group.group_name}) starts from other values than rank 0 "
+                f"in unit {differ!r}, and each rank would keep its own chunk of different weights. Seed every rank "
+                "alike (torch.manual_seed) before building the model, load the same checkpoint on every rank, or "
+                "pass shard(..., sync_module_states=True) to take rank 0's values (a broadcast per unit)"
+            )
+
+
+def fingerprint(params: Sequence[torch.Tensor]) -> str:
+    """A cheap digest of parameters' values: their shapes and up to 64 evenly spaced elements each."""
+    digest = hashlib.sha256()
+    for p in params:
+        flat = p.detach().reshape(-1)
+        index = torch.linspace(0, max(flat.numel() - 1, 0), min(flat.numel(), 64), device=flat.device).long()
+        digest.update(str(tuple(p.shape)).encode())
+        digest.update(flat[index].cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]

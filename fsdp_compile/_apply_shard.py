@@ -6,7 +6,9 @@ Every unit is built before the module is touched, so nothing is half-changed if 
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,7 +20,7 @@ from fsdp_compile._agree import EagerFirstForward
 from fsdp_compile._optimizer_guard import mark_replaced, watch_optimizers
 from fsdp_compile._plan_shard import ShardPlan, UnitPlan
 from fsdp_compile._sharded_state_dict import install_state_dict_hooks
-from fsdp_compile._unit import SLOTS_ATTR, Piece, UnitState, register_units, weak_method
+from fsdp_compile._unit import SLOTS_ATTR, UNITS_ATTR, UnitState, cut_pieces, register_units
 
 __all__ = ["apply_shard"]
 
@@ -26,15 +28,25 @@ log = logging.getLogger(__name__)
 
 
 def apply_shard(
-    module: nn.Module, plan: ShardPlan, group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None = None
+    module: nn.Module,
+    plan: ShardPlan,
+    group: dist.ProcessGroup,
+    replicate_group: dist.ProcessGroup | None = None,
+    *,
+    sync_module_states: bool = False,
 ) -> list[UnitState]:
     """Shard ``module`` in place as ``plan`` says, over ``group`` (and, HSDP, replicated over
-    ``replicate_group``); return its units."""
+    ``replicate_group``); return its units. ``sync_module_states``: rank 0's values, for parameters and buffers."""
     world_size = dist.get_world_size(group)
     if plan.world_size != world_size:
         raise ValueError(f"the plan is for {plan.world_size} ranks, the group has {world_size}")
     rank = dist.get_rank(group)
-    built = [_build_unit(module, unit, group, replicate_group, rank) for unit in plan.units]
+    # rank 0's values: across the replicas first, then within the shard group (global rank 0 reaches every rank)
+    sync = [g for g in (replicate_group, group) if sync_module_states and g is not None and dist.get_world_size(g) > 1]
+    built = [_build_unit(module, unit, group, replicate_group, rank, sync) for unit in plan.units]
+    for buffer in module.buffers():
+        if not buffer.is_meta:
+            _broadcast_from_rank_0(buffer, sync)
 
     watch_optimizers()
     sharded_modules: dict[int, nn.Module] = {id(module): module}  # the root too: it refuses conversions
@@ -69,7 +81,6 @@ def _install_hooks(module: nn.Module, states: list[UnitState]) -> None:
         unit_module = module.get_submodule(state.layout.fqn)
         unit_module.register_forward_pre_hook(state.eager.pre_forward)
         unit_module.register_forward_hook(state.eager.post_forward, always_call=True)  # also when forward raises
-        state.flat.register_post_accumulate_grad_hook(weak_method(state.distribute_grad))
 
 
 def _parameter(module: nn.Module, name: str) -> nn.Parameter:
@@ -77,23 +88,33 @@ def _parameter(module: nn.Module, name: str) -> nn.Parameter:
     return module.get_submodule(owner_fqn)._parameters[attr]  # type: ignore[return-value]
 
 
+def _broadcast_from_rank_0(tensor: torch.Tensor, groups: list[dist.ProcessGroup]) -> None:
+    for g in groups:
+        dist.broadcast(tensor, src=dist.get_global_rank(g, 0), group=g)
+
+
 def _build_unit(
-    module: nn.Module, unit: UnitPlan, group: dist.ProcessGroup, replicate_group: dist.ProcessGroup | None, rank: int
+    module: nn.Module,
+    unit: UnitPlan,
+    group: dist.ProcessGroup,
+    replicate_group: dist.ProcessGroup | None,
+    rank: int,
+    sync: list[dist.ProcessGroup],
 ) -> tuple[UnitState, list[nn.Parameter]]:
-    """Copy this rank's chunk of the unit into a new flat shard and cut one piece per parameter; return the
-    unit and the parameters it replaces, in slot order."""
+    """Copy this rank's chunk of the unit (rank 0's values, broadcast over ``sync``) into a new flat shard and cut
+    one piece per parameter; return the unit and the parameters it replaces, in slot order."""
     layout = unit.layout
     params = [_parameter(module, slot.names[0]) for slot in layout.slots]
-    full = torch.zeros(layout.padded_numel, dtype=unit.dtype, device=params[0].device)
-    for slot, param in zip(layout.slots, params):
-        full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+    on_meta = any(p.is_meta for p in params)  # the whole unit stays on meta (to_empty allocates its shard)
+    full = torch.zeros(layout.padded_numel, dtype=unit.dtype, device="meta" if on_meta else params[0].device)
+    if not on_meta:
+        for slot, param in zip(layout.slots, params):
+            full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
+        _broadcast_from_rank_0(full, sync)
     start = rank * layout.shard_numel
     flat = full[start : start + layout.shard_numel].clone().requires_grad_(any(p.requires_grad for p in params))
     _internals.mark_static(flat)  # a model sharded again (other sizes) compiles with constant sizes: planned
-    pieces = []
-    for slot, param in zip(layout.slots, params):
-        lo, hi = layout.local_range(slot, rank)
-        pieces.append(Piece(nn.Parameter(flat.detach()[lo:hi], requires_grad=param.requires_grad), slot, lo, hi))
+    pieces = cut_pieces(flat, layout, rank, [p.requires_grad for p in params])
     state = UnitState(
         layout=layout,
         flat=flat,
@@ -113,14 +134,15 @@ class _CheckParametersSharded:
     parameter that belongs to no unit (added after ``shard()``), whose gradient nothing would average."""
 
     def __init__(self, states: list[UnitState]) -> None:
-        self.pieces = {id(piece.param) for state in states for piece in state.pieces}
+        self.states = states
 
     def hook(self, module: nn.Module, args: Any) -> None:
         """A bound method, not ``__call__``: see ``EagerFirstForward``."""
         if torch.compiler.is_compiling():
             return
+        pieces = {id(piece.param) for state in self.states for piece in state.pieces}  # to_empty cuts new ones
         for name, param in module.named_parameters():
-            if id(param) not in self.pieces:
+            if id(param) not in pieces:
                 raise RuntimeError(unsharded_parameter_message(name))
 
 
@@ -135,11 +157,16 @@ def unsharded_parameter_message(name: str) -> str:
 def _refuse_conversion(cls: type[nn.Module]) -> Any:
     """The ``_apply`` of a sharded class: ``.to(dtype)``, ``.float()``, ``.cuda()``... would give the flat shards'
     pieces new storage, cut off from the shards the model reads and the optimizer steps. Refused when it
-    would convert a shard; other calls (``.to`` the shards' own device and dtype) go through."""
+    would convert a shard; ``to_empty(device=)`` of the sharded model gives its shards on the meta device storage
+    of their own size (the pieces are cut again); other calls (``.to`` the shards' own device and dtype) go
+    through. The buffers are converted as ``cls`` does it."""
 
     def _apply(module: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
-        subtree = module.modules() if recurse else [module]
+        subtree = list(module.modules() if recurse else [module])
         units = {id(state): state for m in subtree for state, _ in getattr(m, SLOTS_ATTR, {}).values()}
+        on_meta = [state for state in units.values() if _allocates(state, fn)]
+        if on_meta:
+            _materialize(module, on_meta, fn)
         for state in units.values():
             probe = state.flat.detach()[:0]
             converted = fn(probe)
@@ -150,9 +177,53 @@ def _refuse_conversion(cls: type[nn.Module]) -> Any:
                     "the optimizer's parameters off from them. Convert the model before shard() (e.g. model.float() "
                     "or model.to(device)), then shard it, then build the optimizer"
                 )
-        return cls._apply(module, fn, recurse)
+        with _pieces_hidden(subtree):  # the pieces view the shards: only the buffers are converted
+            return cls._apply(module, fn, recurse)
 
     return _apply
+
+
+def _allocates(state: UnitState, fn: Any) -> bool:
+    """Whether ``fn`` (a module conversion) gives the unit's meta shard storage of the same dtype: ``to_empty``."""
+    if not state.flat.is_meta:
+        return False
+    converted = fn(state.flat.detach()[:0])
+    return not converted.is_meta and converted.dtype == state.flat.dtype
+
+
+def _materialize(module: nn.Module, states: list[UnitState], fn: Any) -> None:
+    """``to_empty`` of a sharded model: each unit of ``states`` gets storage for its shard, and every owner of its
+    parameters the new pieces."""
+    if getattr(module, UNITS_ATTR, None) is None:
+        raise RuntimeError(
+            f"to_empty() of {type(module).__name__}, a part of a model sharded on the meta device: call it on the "
+            "model shard() was called on (its units' parameters may be owned by modules outside this one)"
+        )
+    for state in states:
+        for old in state.materialize(fn):
+            mark_replaced(old.param, old.slot.names[0], by="to_empty()")
+    for owner in module.modules():
+        for attr, (state, slot) in getattr(owner, SLOTS_ATTR, {}).items():
+            owner._parameters[attr] = state.pieces[state.layout.slots.index(slot)].param
+    log.info("fsdp_compile: to_empty() allocated the shards of %d units on %s", len(states), states[0].flat.device)
+
+
+@contextlib.contextmanager
+def _pieces_hidden(modules: list[nn.Module]) -> Iterator[None]:
+    """The sharded pieces taken out of their owners' ``_parameters`` meanwhile (put back in the same order)."""
+    hidden = []
+    for m in modules:
+        names = list(getattr(m, SLOTS_ATTR, {}))
+        if names and all(n in m._parameters for n in names):
+            hidden.append((m, dict(m._parameters)))
+            for n in names:
+                del m._parameters[n]
+    try:
+        yield
+    finally:
+        for m, params in hidden:
+            m._parameters.clear()
+            m._parameters.update(params)
 
 
 def _param_property(name: str) -> property:

@@ -19,9 +19,10 @@ _optimizer_hook: RemovableHandle | None = None
 _checked_optimizers: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
-def mark_replaced(param: torch.nn.Parameter, name: str) -> None:
-    """Record that ``shard()`` replaced ``param`` (named ``name``) by a sharded piece."""
-    setattr(param, _REPLACED_ATTR, name)
+def mark_replaced(param: torch.nn.Parameter, name: str, by: str = "shard()") -> None:
+    """Record that ``by`` (``shard()``, or ``to_empty()`` of a model sharded on meta) replaced ``param`` (named
+    ``name``) by a sharded piece."""
+    setattr(param, _REPLACED_ATTR, (name, by))
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -30,12 +31,13 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
         return
     for group in optimizer.param_groups:
         for param in group["params"]:
-            name = getattr(param, _REPLACED_ATTR, None)
-            if name is not None:
+            replaced = getattr(param, _REPLACED_ATTR, None)
+            if replaced is not None:
+                name, by = replaced
                 raise RuntimeError(
-                    f"{type(optimizer).__name__} holds parameter {name!r} as it was before fsdp_compile.shard() "
-                    "replaced it with a sharded piece, so this optimizer would train nothing: build the optimizer "
-                    "after shard(), from model.parameters() (or model.named_parameters())"
+                    f"{type(optimizer).__name__} holds parameter {name!r} as it was before {by} replaced it with a "
+                    f"sharded piece, so this optimizer would train nothing: build the optimizer after {by}, from "
+                    "model.parameters() (or model.named_parameters())"
                 )
     _checked_optimizers.add(optimizer)
 

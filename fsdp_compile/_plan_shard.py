@@ -198,16 +198,11 @@ def _check_parameters(module: nn.Module, owners: dict[nn.Parameter, list[_Owner]
         raise ValueError(f"{type(module).__name__} has no parameters to shard")
     devices: dict[torch.device, str] = {}
     for p, owned in owners.items():
-        devices.setdefault(p.device, owned[0].fqn)
+        if not p.is_meta:  # parameters on meta are allocated by to_empty(device=) after shard(), on that device
+            devices.setdefault(p.device, owned[0].fqn)
     if len(devices) > 1:
         found = ", ".join(f"{name!r} on {device}" for device, name in devices.items())
         raise ValueError(f"parameters on several devices ({found}): move the whole model to one device first")
-    meta = [owned[0].fqn for p, owned in owners.items() if p.is_meta]
-    if meta:
-        raise ValueError(
-            f"parameters on the meta device ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}): "
-            "materialize them before shard(), e.g. module.to_empty(device=...) and initialize the weights"
-        )
 
 
 def _unit_of_parameter(owned: list[_Owner], unit_of: dict[str, str]) -> str:

@@ -24,11 +24,15 @@ After ``shard(model, units=...)``:
 
 from __future__ import annotations
 
+import json
+
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_compile._agree import agree_on_values, fingerprint
 from fsdp_compile._apply_shard import apply_shard
+from fsdp_compile._layout import unit_label
 from fsdp_compile._plan_shard import ReshardSpec, UnitSpec, plan_shard
 from fsdp_compile._unit import is_sharded, sharded_units
 from fsdp_compile.config import MixedPrecision
@@ -44,6 +48,7 @@ def shard(
     mesh: DeviceMesh | None = None,
     mp: MixedPrecision | None = None,
     reshard_after_forward: ReshardSpec = True,
+    sync_module_states: bool = False,
 ) -> nn.Module:
     """Shard ``module`` in place into FSDP units and return it.
 
@@ -60,6 +65,12 @@ def shard(
     backward). Worth it for the unit the forward uses last (e.g. the output projection): backward needs it
     first, so it is alive at the forward/backward boundary either way.
 
+    The ranks must start from the same values: ``shard()`` compares a fingerprint of each unit across the ranks
+    and raises naming the first that differs; ``sync_module_states=True`` takes rank 0's parameters and buffers
+    instead (a broadcast per unit). A model built on the meta device (parameters on meta, all or some units)
+    is sharded as it is: ``module.to_empty(device=...)`` then allocates this rank's shards and the buffers,
+    and :func:`fsdp_compile.init_parameters` (or a checkpoint) fills them.
+
     Every check happens before the module is touched: on an error, the module is left as it was.
     """
     if is_sharded(module):
@@ -74,7 +85,17 @@ def shard(
     plan = plan_shard(
         module, units=units, world_size=dist.get_world_size(group), mp=mp, reshard_after_forward=reshard_after_forward
     )
-    apply_shard(module, plan, group, replicate_group)
+    if not sync_module_states:
+        fingerprints = []
+        for unit in plan.units:
+            params = [module.get_parameter(slot.names[0]) for slot in unit.layout.slots]
+            if not any(p.is_meta for p in params):
+                layout = json.dumps([(slot.names, slot.shape) for slot in unit.layout.slots])
+                fingerprints.append((unit_label(unit.layout.fqn), layout, fingerprint(params)))
+        for g in (group, replicate_group):
+            if g is not None:
+                agree_on_values(g, fingerprints)
+    apply_shard(module, plan, group, replicate_group, sync_module_states=sync_module_states)
     return module
 
 

@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_compile import _internals
 from fsdp_compile._eager import EagerUnit
 from fsdp_compile._internals import counters
 from fsdp_compile._layout import ParamSlot, UnitLayout, unit_label
+from fsdp_compile._outside_forward import outside_forward
 from fsdp_compile._ops import (
     GradReduction,
     all_gather_nograd,
@@ -26,7 +28,7 @@ from fsdp_compile._ops import (
     unshard,
 )
 
-__all__ = ["Piece", "UnitState", "is_sharded", "register_units", "sharded_units", "unit_of_shard", "weak_method"]
+__all__ = ["Piece", "UnitState", "cut_pieces", "is_sharded", "register_units", "sharded_units", "unit_of_shard", "weak_method"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -49,6 +51,15 @@ class Piece(NamedTuple):
     slot: ParamSlot
     lo: int
     hi: int
+
+
+def cut_pieces(flat: torch.Tensor, layout: UnitLayout, rank: int, requires_grad: list[bool]) -> list[Piece]:
+    """One ``nn.Parameter`` per slot, a view of its part of this rank's flat shard ``flat``."""
+    pieces = []
+    for slot, grad in zip(layout.slots, requires_grad):
+        lo, hi = layout.local_range(slot, rank)
+        pieces.append(Piece(nn.Parameter(flat.detach()[lo:hi], requires_grad=grad), slot, lo, hi))
+    return pieces
 
 
 class UnitState:
@@ -93,6 +104,9 @@ class UnitState:
         )
         """Eager mode (the unit's forward hooks and saved-tensor hooks). It calls back into this unit weakly: no
         cycle, so a deleted model is freed by reference counting ([Note: eager gather and reshard])."""
+        self.initializing: dict[int, torch.Tensor] | None = None
+        """Inside ``init_parameters``: the full parameters read so far by the current ``init_fn`` call, by offset."""
+        self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
 
     def __repr__(self) -> str:
         name = unit_label(self.layout.fqn)
@@ -132,10 +146,53 @@ class UnitState:
         )
 
     def unshard_param(self, slot: ParamSlot) -> torch.Tensor:
-        """The full parameter ``slot``: a marker op under compile, a view of the gathered unit in eager."""
+        """The full parameter ``slot``: a marker op under compile, a view of the gathered unit in eager (outside
+        the unit's forward, one whose in-place writes raise), inside ``init_parameters`` one whose writes reach
+        the shard."""
         if torch.compiler.is_compiling():
             return unshard(self.flat, self.accum, slot.offset, slot.numel, list(slot.shape), self.param_dtype)
-        return self.eager.param(slot.offset, slot.numel, slot.shape)
+        if self.initializing is not None:
+            return self._full_for_init(slot)
+        if self.flat.is_meta:
+            raise RuntimeError(
+                f"{slot.names[0]} is on the meta device: allocate the shards with model.to_empty(device=...), then "
+                "fsdp_compile.init_parameters(model) (or load a checkpoint)"
+            )
+        full = self.eager.param(slot.offset, slot.numel, slot.shape)
+        return outside_forward(full, slot.names[0]) if self.eager.gathered is None else full
+
+    def _full_for_init(self, slot: ParamSlot) -> torch.Tensor:
+        """The full parameter for ``init_parameters``: zeros, but for this rank's part, the shard's value."""
+        assert self.initializing is not None
+        if slot.offset not in self.initializing:
+            piece = self.pieces[self.layout.slots.index(slot)]
+            full = nn.Parameter(self.flat.new_zeros(slot.shape), requires_grad=piece.param.requires_grad)
+            with torch.no_grad():
+                self.local_part(slot, full).copy_(piece.param)
+            self.initializing[slot.offset] = full
+        return self.initializing[slot.offset]
+
+    @torch.no_grad()
+    def keep_initialized(self) -> None:
+        """``init_parameters``: write this rank's part of each full parameter read since the last call to the shard,
+        and drop them."""
+        assert self.initializing is not None
+        for piece in self.pieces:
+            full = self.initializing.pop(piece.slot.offset, None)
+            if full is not None:
+                self.flat.detach()[piece.lo : piece.hi].copy_(self.local_part(piece.slot, full))
+
+    def materialize(self, empty: Callable[[torch.Tensor], torch.Tensor]) -> list[Piece]:
+        """Give a flat shard on the meta device storage, ``empty(flat)`` (``module.to_empty``), and cut new
+        pieces of it; return the old pieces (their owners must be given the new ones)."""
+        old, replaced = self.flat, self.pieces
+        self.flat = empty(old.detach()).zero_().requires_grad_(old.requires_grad)  # the padding zero, as shard()'s
+        _internals.mark_static(self.flat)
+        self.pieces = cut_pieces(self.flat, self.layout, self.rank, [p.param.requires_grad for p in replaced])
+        self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
+        _units_by_shard.pop(id(old), None)
+        _units_by_shard[id(self.flat)] = self
+        return replaced
 
     @torch.no_grad()
     def all_gather_params_nograd(self, local: torch.Tensor | None = None) -> list[torch.Tensor]:

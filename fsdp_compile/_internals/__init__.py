@@ -42,7 +42,7 @@ __all__ = [
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
     "list_mode_options", "make_boxed_func", "mark_static", "outside_fake_mode", "outside_graph_pools",
     "placeholder_source",
-    "min_cut_rematerialization_partition", "register_work", "run_observed",
+    "min_cut_rematerialization_partition", "no_torch_function_subclass", "register_work", "run_observed",
     "set_optimizer_state_dict", "sharded_tensor", "trace_log", "trace_structured",
 ]
 
@@ -195,6 +195,12 @@ def sharded_tensor(
         shards_metadata=metadata, size=torch.Size(shape), tensor_properties=_TensorProperties(dtype=dtype)
     )
     return _ShardedTensor._init_from_local_shards_and_global_metadata(shards, global_metadata, process_group=group)
+
+
+def no_torch_function_subclass() -> Any:
+    """A context in which a ``__torch_function__`` subclass's operations run as plain tensors' (its own override
+    calls the operation again inside it)."""
+    return torch._C.DisableTorchFunctionSubclass()
 
 
 def is_view_op(target: object) -> bool:

@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-__all__ = ["Block", "Llama", "LlamaConfig", "LLAMA_0_95B", "LLAMA_8B", "LLAMA_TESTS", "LLAMA_TINY", "save_matmuls"]
+__all__ = [
+    "Block", "Llama", "LlamaConfig", "LLAMA_0_95B", "LLAMA_8B", "LLAMA_TESTS", "LLAMA_TINY", "init_weights", "save_matmuls",
+]
 
 _MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
 
@@ -114,6 +116,27 @@ class Block(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def _rope_tables(cfg: LlamaConfig, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    head_dim = cfg.dim // cfg.n_heads
+    freqs = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2, device=device).float() / head_dim))
+    angles = torch.outer(torch.arange(cfg.max_seq_len, device=device).float(), freqs)
+    return angles.cos(), angles.sin()
+
+
+def init_weights(module: nn.Module) -> None:
+    """An ``init_fn`` for :func:`fsdp_compile.init_parameters` (one submodule's own parameters and buffers): what
+    Llama's constructor does, and the norms' ones, so a model built on the meta device is initialised as one built
+    on a device."""
+    with torch.no_grad():
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, Llama):
+            for buffer, value in zip((module.rope_cos, module.rope_sin), _rope_tables(module.cfg, module.rope_cos.device)):
+                buffer.copy_(value)
+
+
 class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
@@ -124,11 +147,9 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        head_dim = cfg.dim // cfg.n_heads
-        freqs = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
-        angles = torch.outer(torch.arange(cfg.max_seq_len).float(), freqs)
-        self.register_buffer("rope_cos", angles.cos(), persistent=False)
-        self.register_buffer("rope_sin", angles.sin(), persistent=False)
+        cos, sin = _rope_tables(cfg)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
         for module in self.modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(module.weight, std=0.02)
