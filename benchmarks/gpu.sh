@@ -10,6 +10,8 @@
 #   OUT=/tmp/out BENCH=0 TESTS=0 CONTENTION=1 bash benchmarks/gpu.sh   # gemm_contention.py only
 #   OUT=/tmp/out BENCH=0 TESTS=0 HOST_COST=1 bash benchmarks/gpu.sh    # ce_host_cost.py only (~30 s)
 #   OUT=/tmp/out BENCH=0 TESTS=0 NCCL_BUFFERS=1 bash benchmarks/gpu.sh # nccl_buffers.py only (~15 s)
+#   OUT=/tmp/out BENCH=0 TESTS=0 META_INIT=1 bash benchmarks/gpu.sh    # one GPU: meta_init_memory.py (the 70B shape
+#     on rank 0 of a fake 64), then examples/big_model.py at the 8.8B shape, world size 1, by both set-up routes
 #   OUT=/tmp/out TESTS=0 TOKENS=4096 TRACE=1 SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile_nccl" bash benchmarks/gpu.sh
 #     # + where each system's GPU and host time goes: $OUT/trace_summary_<tag>.txt. Tracing host activity slows
 #     # the host: the traced steps (and the table's exposed-comm / compute-slowdown columns, read off them) are
@@ -96,6 +98,14 @@ if [ "${NCCL_BUFFERS:-0}" = 1 ]; then
   timeout 120 torchrun --nproc_per_node "$NPROC" benchmarks/nccl_buffers.py --json "$OUT/nccl_buffers_$NPROC.json" \
     >"$OUT/nccl_buffers_$NPROC.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "nccl_buffers exit $rc"; status=1; }
+fi
+if [ "${META_INIT:-0}" = 1 ]; then
+  timeout 200 python3 benchmarks/meta_init_memory.py --model 70b --world-size 64 --device cuda \
+    --out "$OUT/meta_init_70b.json" >"$OUT/meta_init_70b.log" 2>&1 || { echo "meta_init_memory exit $?"; status=1; }
+  for route in meta build-then-shard; do
+    timeout 300 torchrun --nproc_per_node 1 examples/big_model.py --model 8b --optimizer sgd --steps 3 --route "$route" \
+      >"$OUT/big_model_8b_$route.log" 2>&1 || { echo "big_model $route exit $?"; status=1; }
+  done
 fi
 tag=${TAG:-${NPROC}gpu_$(echo "$TOKENS" | tr ' ' '_')}
 if [ "${BENCH:-1}" = 1 ]; then

@@ -9,6 +9,7 @@ from fsdp_compile._backend import backend
 from fsdp_compile._clip_grad_norm import clip_grad_norm_
 from fsdp_compile._describe import ShardingSummary, describe, sync_buffers
 from fsdp_compile._init_parameters import init_parameters
+from fsdp_compile._save_safetensors import save_safetensors
 from fsdp_compile._shard import set_requires_gradient_sync, shard
 from fsdp_compile._sharded_state_dict import load_sharded_optimizer_state_dict, sharded_optimizer_state_dict
 from fsdp_compile._state_dict import (
@@ -39,6 +40,7 @@ __all__ = [
     "load_full_state_dict",
     "load_sharded_optimizer_state_dict",
     "release_slabs",
+    "save_safetensors",
     "set_requires_gradient_sync",
     "shard",
     "sharded_optimizer_state_dict",

@@ -124,13 +124,19 @@ def _to_sharded(module: nn.Module, state_dict: dict[str, Any], prefix: str, loca
 
 
 def _from_sharded(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any, *args: Any) -> None:
-    """Load-state-dict pre-hook of the sharded root: ShardedTensors or full tensors -> this rank's pieces."""
+    """Load-state-dict pre-hook of the sharded root: ShardedTensors or full tensors -> this rank's pieces. A
+    tied weight loads from any one of its names (Hugging Face checkpoints hold only one)."""
     if local_metadata.get("assign_to_params_buffers"):
         raise ValueError(
             "load_state_dict(..., assign=True) would replace the sharded pieces by new tensors, cut off from the "
             "flat shards the model reads: load with assign=False (the default)"
         )
-    for key, (unit, slot) in _slots_by_name(module, prefix).items():
+    slots = _slots_by_name(module, prefix)
+    for key, (_, slot) in slots.items():
+        given = [prefix + name for name in slot.names if prefix + name in state_dict]
+        if key not in state_dict and given:
+            state_dict[key] = state_dict[given[0]]
+    for key, (unit, slot) in slots.items():
         if key in state_dict:
             state_dict[key] = _local(unit, slot, key, state_dict[key])
 

@@ -25,7 +25,7 @@ def _slots_by_param(module: nn.Module) -> dict[int, tuple[UnitState, ParamSlot]]
     return {id(piece.param): (state, piece.slot) for state in sharded_units(module) for piece in state.pieces}
 
 
-def _is_group_rank0(module: nn.Module) -> bool:
+def is_group_rank0(module: nn.Module) -> bool:
     """Whether this rank is rank 0 of the group the module is sharded over (not necessarily global rank 0) and,
     with HSDP, of the first replica."""
     unit = sharded_units(module)[0]
@@ -48,7 +48,7 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
     are not sharded: each rank returns its own (with ``rank0_only``, that rank's); call
     ``fsdp_compile.sync_buffers`` first where they can differ across ranks (BatchNorm's running statistics).
     """
-    keep = not rank0_only or _is_group_rank0(module)
+    keep = not rank0_only or is_group_rank0(module)
     full: dict[int, torch.Tensor] = {}
     for state in sharded_units(module):
         values = state.all_gather_params_nograd()
@@ -117,7 +117,7 @@ def full_optimizer_state_dict(
     """The optimizer's state with full tensors keyed by parameter name: ``{"state": {name: {key: value}},
     "param_groups": [{..., "params": [names]}]}``. A collective: call it on every rank. ``rank0_only`` and
     ``cpu_offload`` as in :func:`full_state_dict`."""
-    keep = not rank0_only or _is_group_rank0(module)
+    keep = not rank0_only or is_group_rank0(module)
     names = _names(module)
     units = sharded_units(module)
     per_unit = [_per_element_states(optimizer, unit) for unit in units]
