@@ -50,12 +50,12 @@ def main() -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world_size)
     with torch.device("meta"):
         model = Llama(MODELS[args.model])
+    largest_submodule = max(sum(p.nbytes for p in m.parameters(recurse=False)) for m in model.modules())
     fsdp_compile.shard(model, units=[Block])
     units = fsdp_compile.sharded_units(model)
     element = units[0].flat.element_size()
     shards = sum(u.layout.shard_numel for u in units) * element
     largest_unit = max(u.layout.padded_numel for u in units) * element
-    largest_submodule = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) * element
     buffers = sum(b.numel() * b.element_size() for b in model.buffers())
 
     start = _peak(device)

@@ -15,7 +15,7 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -171,21 +171,24 @@ _values_checks: dict[str, int] = {}
 """Group name -> ``agree_on_values`` calls so far (every rank makes them in the same order: ``shard()`` is collective)."""
 
 
-def agree_on_values(group: dist.ProcessGroup, fingerprints: Sequence[tuple[str, str, str]]) -> None:
+def agree_on_values(group: dist.ProcessGroup, fingerprints: Callable[[], Sequence[tuple[str, str, str]]]) -> None:
     """Raise on every rank of ``group`` if its ``(unit, layout, values)`` fingerprints differ in values from rank
     0's, naming the first differing unit: ranks that start from different weights would train a mixture of them,
     silently (each keeps its own chunk). Units that differ in layout are left to the collectives' check, which
     names the first differing collective. Through the group's store; skipped (and logged) under the fake
-    process group."""
-    if dist.get_world_size(group) == 1 or not fingerprints:
+    process group. ``fingerprints`` is called only where there are peers to compare with."""
+    if dist.get_world_size(group) == 1:
         return
     if dist.get_backend(group) == "fake":
         log.info("fsdp_compile.shard: the ranks' weights are not compared under the fake process group (no peers)")
         return
+    mine = fingerprints()
+    if not mine:
+        return
     store = _internals.group_store(group)
     call = _values_checks[group.group_name] = _values_checks.get(group.group_name, 0) + 1
     keys = [f"{_PREFIX}values/{call}/{q}" for q in range(dist.get_world_size(group))]
-    store.set(keys[dist.get_rank(group)], json.dumps([list(f) for f in fingerprints]))
+    store.set(keys[dist.get_rank(group)], json.dumps([list(f) for f in mine]))
     store.wait(keys)
     lists = [json.loads(store.get(key)) for key in keys]
     if any([u[:2] for u in other] != [u[:2] for u in lists[0]] for other in lists[1:]):
@@ -206,7 +209,8 @@ def fingerprint(params: Sequence[torch.Tensor]) -> str:
     digest = hashlib.sha256()
     for p in params:
         flat = p.detach().reshape(-1)
-        index = torch.linspace(0, max(flat.numel() - 1, 0), min(flat.numel(), 64), device=flat.device).long()
+        count = min(flat.numel(), 64)  # integer positions: a float linspace rounds past the end of a large tensor
+        index = torch.arange(count, device=flat.device) * (flat.numel() - 1) // max(count - 1, 1)
         digest.update(str(tuple(p.shape)).encode())
         digest.update(flat[index].cpu().contiguous().view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]

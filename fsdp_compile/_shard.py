@@ -24,6 +24,7 @@ After ``shard(model, units=...)``:
 
 from __future__ import annotations
 
+import functools
 import json
 
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_compile._agree import agree_on_values, fingerprint
 from fsdp_compile._apply_shard import apply_shard
 from fsdp_compile._layout import unit_label
-from fsdp_compile._plan_shard import ReshardSpec, UnitSpec, plan_shard
+from fsdp_compile._plan_shard import ReshardSpec, ShardPlan, UnitSpec, plan_shard
 from fsdp_compile._unit import is_sharded, sharded_units
 from fsdp_compile.config import MixedPrecision
 
@@ -86,12 +87,7 @@ def shard(
         module, units=units, world_size=dist.get_world_size(group), mp=mp, reshard_after_forward=reshard_after_forward
     )
     if not sync_module_states:
-        fingerprints = []
-        for unit in plan.units:
-            params = [module.get_parameter(slot.names[0]) for slot in unit.layout.slots]
-            if not any(p.is_meta for p in params):
-                layout = json.dumps([(slot.names, slot.shape) for slot in unit.layout.slots])
-                fingerprints.append((unit_label(unit.layout.fqn), layout, fingerprint(params)))
+        fingerprints = functools.cache(lambda: _fingerprints(module, plan))
         for g in (group, replicate_group):
             if g is not None:
                 agree_on_values(g, fingerprints)
@@ -156,3 +152,14 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     """
     for state in sharded_units(module):
         state.set_requires_gradient_sync(requires_gradient_sync)
+
+
+def _fingerprints(module: nn.Module, plan: ShardPlan) -> list[tuple[str, str, str]]:
+    """(unit, layout, values) of each materialised unit, for comparing the ranks' starting weights."""
+    out = []
+    for unit in plan.units:
+        params = [module.get_parameter(slot.names[0]) for slot in unit.layout.slots]
+        if not any(p.is_meta for p in params):
+            layout = json.dumps([(slot.names, slot.shape) for slot in unit.layout.slots])
+            out.append((unit_label(unit.layout.fqn), layout, fingerprint(params)))
+    return out

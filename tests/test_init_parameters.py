@@ -17,6 +17,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
+from fsdp_compile._agree import fingerprint
 from fsdp_compile._unit import is_sharded
 from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama, init_weights
@@ -221,6 +222,15 @@ def _different_seeds(rank: int, world_size: int) -> None:
 
 def test_ranks_that_start_from_different_weights_are_caught_or_synced_from_rank_0() -> None:
     run_ranks(_different_seeds, 2)
+
+
+def test_a_fingerprint_reads_the_last_element_of_a_tensor_whose_positions_floats_cannot_hold() -> None:
+    """Past 2**24 a float32 position rounds: the last one, 2**24 + 3, to 2**24 + 4, past the end (on a GPU, a
+    device-side assert in shard())."""
+    weight = torch.zeros(2**24 + 4)
+    before = fingerprint([weight])
+    weight[-1] = 1.0
+    assert fingerprint([weight]) != before
 
 
 LLAMA_7B_SCRIPT = """
