@@ -182,9 +182,7 @@ def agree_on_values(group: dist.ProcessGroup, fingerprints: Callable[[], Sequenc
     if dist.get_backend(group) == "fake":
         log.info("fsdp_compile.shard: the ranks' weights are not compared under the fake process group (no peers)")
         return
-    mine = fingerprints()
-    if not mine:
-        return
+    mine = fingerprints()  # exchanged even when empty (a model all on meta): no rank may skip what others wait for
     store = _internals.group_store(group)
     call = _values_checks[group.group_name] = _values_checks.get(group.group_name, 0) + 1
     keys = [f"{_PREFIX}values/{call}/{q}" for q in range(dist.get_world_size(group))]
@@ -194,7 +192,7 @@ def agree_on_values(group: dist.ProcessGroup, fingerprints: Callable[[], Sequenc
     if any([u[:2] for u in other] != [u[:2] for u in lists[0]] for other in lists[1:]):
         return
     for q, other in enumerate(lists[1:], 1):
-        differ = next((mine[0] for mine, ref in zip(other, lists[0]) if mine != ref), None)
+        differ = next((theirs[0] for theirs, ref in zip(other, lists[0]) if theirs != ref), None)
         if differ is not None:
             raise ValueError(
                 f"fsdp_compile.shard(): rank {q} (of group {group.group_name}) starts from other values than rank 0 "
