@@ -124,9 +124,9 @@ def _rope_tables(cfg: LlamaConfig, device: torch.device | None = None) -> tuple[
 
 
 def init_weights(module: nn.Module) -> None:
-    """An ``init_fn`` for :func:`fsdp_compile.init_parameters` (one submodule's own parameters and buffers): what
-    Llama's constructor does, and the norms' ones, so a model built on the meta device is initialised as one built
-    on a device."""
+    """Initialise one submodule's own parameters and buffers as Llama's constructor does (it calls this on each),
+    so that, as :func:`fsdp_compile.init_parameters`'s ``init_fn``, a model built on the meta device is initialised
+    as one built on a device."""
     with torch.no_grad():
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=0.02)
@@ -151,8 +151,7 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Embedding)):
-                nn.init.normal_(module.weight, std=0.02)
+            init_weights(module)  # the one definition of this model's initialisation: init_parameters uses it too
 
     def forward(self, tokens: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits, or the mean cross-entropy loss when ``targets`` are given."""
