@@ -204,7 +204,7 @@ def _materialize(module: nn.Module, states: list[UnitState], fn: Any) -> None:
             mark_replaced(old.param, old.slot.names[0], by="to_empty()")
     for owner in module.modules():
         for attr, (state, slot) in getattr(owner, SLOTS_ATTR, {}).items():
-            owner._parameters[attr] = state.pieces[state.layout.slots.index(slot)].param
+            owner._parameters[attr] = state.piece(slot).param
     log.info("fsdp_compile: to_empty() allocated the shards of %d units on %s", len(states), states[0].flat.device)
 
 

@@ -21,6 +21,9 @@ __all__ = ["ShardingSummary", "UnitSummary", "describe", "sync_buffers"]
 @dataclass(frozen=True)
 class UnitSummary:
     fqn: str
+    """The unit's module."""
+    name: str
+    """How plans and graphs name it: its fqn, then ``[part]`` for one parameter group of a unit with several."""
     num_parameters: int
     """Elements of the unit's parameters (each tied weight once)."""
     padded_numel: int
@@ -57,7 +60,7 @@ class ShardingSummary:
             "|---|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {unit_label(u.fqn)} | {u.num_parameters:,} | {u.shard_numel:,} | {u.param_dtype} | {u.reduce_dtype} | "
+            f"| {unit_label(u.name)} | {u.num_parameters:,} | {u.shard_numel:,} | {u.param_dtype} | {u.reduce_dtype} | "
             f"{u.grad_reduction} | {u.reshard_after_forward} |"
             for u in self.units
         ]
@@ -67,6 +70,7 @@ class ShardingSummary:
 def _summary(u: UnitState) -> UnitSummary:
     return UnitSummary(
         fqn=u.layout.fqn,
+        name=u.layout.name,
         num_parameters=sum(slot.numel for slot in u.layout.slots),
         padded_numel=u.layout.padded_numel,
         shard_numel=u.layout.shard_numel,

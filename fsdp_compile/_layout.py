@@ -10,9 +10,10 @@ from dataclasses import dataclass
 __all__ = ["ParamSlot", "UnitLayout", "plan_layout", "unit_label"]
 
 
-def unit_label(fqn: str) -> str:
-    """How messages, tables and pictures name a unit: its fully qualified name, ``<root>`` for the root's ("")."""
-    return fqn or "<root>"
+def unit_label(name: str) -> str:
+    """How messages, tables and pictures name a unit (a :attr:`UnitLayout.name`): its fully qualified name,
+    ``<root>`` for the root's (""), then ``[part]`` for one parameter group of a unit that has several."""
+    return "<root>" + name if name[:1] in ("", "[") else name
 
 
 ALIGN_ELEMENTS = 16
@@ -35,9 +36,18 @@ class UnitLayout:
     """The flat buffer of one unit: ``padded_numel`` elements, split evenly over ``world_size`` ranks."""
 
     fqn: str
+    """The unit's module ("" for the root)."""
     slots: tuple[ParamSlot, ...]
     padded_numel: int
     world_size: int
+    part: str = ""
+    """Which parameter group of the unit this buffer holds, e.g. ``"bfloat16 frozen"``: "" when the unit has one.
+    A unit whose parameters differ in dtype or ``requires_grad`` has one buffer per (dtype, requires_grad)."""
+
+    @property
+    def name(self) -> str:
+        """The unit's name in plans, graphs and messages: its fqn, then ``[part]`` if it has one."""
+        return f"{self.fqn}[{self.part}]" if self.part else self.fqn
 
     @property
     def shard_numel(self) -> int:
@@ -62,7 +72,7 @@ def _round_up(n: int, multiple: int) -> int:
 
 
 def plan_layout(
-    fqn: str, params: list[tuple[tuple[str, ...], tuple[int, ...]]], world_size: int
+    fqn: str, params: list[tuple[tuple[str, ...], tuple[int, ...]]], world_size: int, part: str = ""
 ) -> UnitLayout:
     """Lay out ``params`` (names, shape), in the order given, in one buffer padded to a multiple of
     ``world_size``."""
@@ -76,4 +86,4 @@ def plan_layout(
         slots.append(ParamSlot(names=names, offset=offset, numel=numel, shape=shape))
         offset += numel
     padded = _round_up(max(offset, 1), world_size)
-    return UnitLayout(fqn=fqn, slots=tuple(slots), padded_numel=padded, world_size=world_size)
+    return UnitLayout(fqn=fqn, slots=tuple(slots), padded_numel=padded, world_size=world_size, part=part)

@@ -56,7 +56,7 @@ def timeline_svg(name: str, units: list[dict[str, Any]], schedules: Schedules, t
     all-gather from where the schedule issues it to the compute that reads it (red: issued right before,
     nothing to hide behind); each gradient reduction from its issue to its wait. With a profiler trace, the
     measured compute and communication under it."""
-    size = {unit_label(u["fqn"]): max(u["num_parameters"], 1) for u in units}
+    size = {unit_label(u["name"]): max(u["num_parameters"], 1) for u in units}
     fwd, bwd = schedules.get("forward", {}), schedules.get("backward", {})
     steps = [("forward", unit_label(fwd.get("units", {}).get(n, "?")), 1) for n in fwd.get("gathers", [])]
     steps += [("backward", unit_label(bwd.get("units", {}).get(n, "?")), 2) for n in bwd.get("gathers", [])]

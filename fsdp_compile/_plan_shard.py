@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fsdp_compile._internals import OptimizedModule
-from fsdp_compile._layout import UnitLayout, plan_layout, unit_label
+from fsdp_compile._layout import UnitLayout, plan_layout
 from fsdp_compile._ops import GradReduction
 from fsdp_compile.config import MixedPrecision
 
@@ -36,7 +36,8 @@ ReshardSpec = Union[bool, Callable[[str, nn.Module], bool]]
 
 @dataclass(frozen=True)
 class UnitPlan:
-    """One unit: its flat-buffer layout (parameters by name) and its collective settings."""
+    """One unit (or one parameter group of a unit, ``layout.part``): its flat-buffer layout (parameters by name)
+    and its collective settings."""
 
     layout: UnitLayout
     dtype: torch.dtype
@@ -61,6 +62,7 @@ def _unit_json(unit: UnitPlan) -> dict[str, object]:
     layout = unit.layout
     return {
         "fqn": layout.fqn,
+        "part": layout.part,
         "dtype": str(unit.dtype),
         "param_dtype": str(unit.param_dtype),
         "reduce_dtype": str(unit.reduce_dtype),
@@ -106,24 +108,12 @@ def plan_shard(
 
     planned = []
     for unit_fqn in dict.fromkeys(unit_of.values()):  # the root first, then units in module order
-        if unit_fqn not in by_unit:
-            continue
-        params = by_unit[unit_fqn]
-        dtype = _unit_dtype(unit_fqn, params, owners)
-        param_dtype = mp.param_dtype or dtype
-        reduce_dtype = mp.reduce_dtype or param_dtype
-        exchange = mp.exchange_grads_in_param_dtype and reduce_dtype.itemsize > param_dtype.itemsize
-        layout = plan_layout(unit_fqn, [(tuple(o.fqn for o in owners[p]), tuple(p.shape)) for p in params], world_size)
-        planned.append(
-            UnitPlan(
-                layout=layout,
-                dtype=dtype,
-                param_dtype=param_dtype,
-                reduce_dtype=reduce_dtype,
-                grad_reduction="all_to_all" if exchange else "reduce_scatter",
-                reshard_after_forward=reshard(unit_fqn),
-            )
-        )
+        groups = _parameter_groups(by_unit.get(unit_fqn, []))
+        resharded = reshard(unit_fqn) if groups else False
+        for (dtype, trainable), params in groups.items():
+            part = f"{_dtype_name(dtype)} {'trainable' if trainable else 'frozen'}" if len(groups) > 1 else ""
+            names = [(tuple(o.fqn for o in owners[p]), tuple(p.shape)) for p in params]
+            planned.append(_unit_plan(plan_layout(unit_fqn, names, world_size, part), dtype, mp, resharded))
     return ShardPlan(units=tuple(planned), world_size=world_size)
 
 
@@ -217,12 +207,31 @@ def _unit_of_parameter(owned: list[_Owner], unit_of: dict[str, str]) -> str:
     return units.pop()
 
 
-def _unit_dtype(unit_fqn: str, params: list[nn.Parameter], owners: dict[nn.Parameter, list[_Owner]]) -> torch.dtype:
-    dtypes = {p.dtype: owners[p][0].fqn for p in params}
-    if len(dtypes) > 1:
-        raise ValueError(
-            f"unit {unit_label(unit_fqn)!r} mixes parameter dtypes {dtypes}; a unit's parameters share one flat "
-            "buffer of one dtype: convert the model (e.g. model.float()) before shard()"
-        )
-    (dtype,) = dtypes
-    return dtype
+def _parameter_groups(params: list[nn.Parameter]) -> dict[tuple[torch.dtype, bool], list[nn.Parameter]]:
+    """A unit's parameters by (dtype, requires_grad), in order of first appearance: one flat buffer each, so
+    that only trainable parameters take part in the gradient, and every parameter is a contiguous view of
+    its buffer in its own dtype (see "Parameter groups" in docs/architecture.md)."""
+    groups: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
+    for p in params:
+        groups.setdefault((p.dtype, p.requires_grad), []).append(p)
+    return groups
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _unit_plan(layout: UnitLayout, dtype: torch.dtype, mp: MixedPrecision, reshard: bool) -> UnitPlan:
+    """One buffer's settings: ``mp`` applies to floating dtypes; integer and bool parameters are gathered as they
+    are (they have no gradient)."""
+    param_dtype = (mp.param_dtype or dtype) if dtype.is_floating_point else dtype
+    reduce_dtype = (mp.reduce_dtype or param_dtype) if dtype.is_floating_point else dtype
+    exchange = mp.exchange_grads_in_param_dtype and reduce_dtype.itemsize > param_dtype.itemsize
+    return UnitPlan(
+        layout=layout,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        reduce_dtype=reduce_dtype,
+        grad_reduction="all_to_all" if exchange else "reduce_scatter",
+        reshard_after_forward=reshard,
+    )

@@ -161,5 +161,5 @@ def _fingerprints(module: nn.Module, plan: ShardPlan) -> list[tuple[str, str, st
         params = [module.get_parameter(slot.names[0]) for slot in unit.layout.slots]
         if not any(p.is_meta for p in params):
             layout = json.dumps([(slot.names, slot.shape) for slot in unit.layout.slots])
-            out.append((unit_label(unit.layout.fqn), layout, fingerprint(params)))
+            out.append((unit_label(unit.layout.name), layout, fingerprint(params)))
     return out

@@ -37,7 +37,9 @@ def _emit(tensor: torch.Tensor, cpu_offload: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
-def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    module: nn.Module, *, rank0_only: bool = False, cpu_offload: bool = False, trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
     """Original parameter and buffer names -> full tensors. A collective: call it on every rank.
 
     Keys and order are those of ``module.state_dict()`` before sharding; both names of a tied weight map
@@ -47,18 +49,25 @@ def full_state_dict(module: nn.Module, *, rank0_only: bool = False, cpu_offload:
     ranks return ``{}``. ``cpu_offload``: the tensors are copied to CPU memory, one unit at a time. Buffers
     are not sharded: each rank returns its own (with ``rank0_only``, that rank's); call
     ``fsdp_compile.sync_buffers`` first where they can differ across ranks (BatchNorm's running statistics).
+    ``trainable_only``: only the parameters that require a gradient, gathered from the units' trainable groups
+    alone (no buffers): a LoRA model's adapters, for peft's ``save_pretrained(path, state_dict=...)``.
     """
     keep = not rank0_only or is_group_rank0(module)
     full: dict[int, torch.Tensor] = {}
     for state in sharded_units(module):
+        if trainable_only and not state.trainable:
+            continue
         values = state.all_gather_params_nograd()
         if keep:
             for piece, value in zip(state.pieces, values):
-                full[id(piece.param)] = _emit(value, cpu_offload)
+                if piece.param.requires_grad or not trainable_only:
+                    full[id(piece.param)] = _emit(value, cpu_offload)
     if not keep:
         return {}
     with local_state_dict():
         entries = module.state_dict(keep_vars=True)
+    if trainable_only:
+        return {key: full[id(value)] for key, value in entries.items() if id(value) in full}
     return {key: full[id(value)] if id(value) in full else _emit(value.detach(), cpu_offload) for key, value in entries.items()}
 
 
@@ -126,7 +135,7 @@ def full_optimizer_state_dict(
         units[0].flat.device,
         "full_optimizer_state_dict",
         [
-            f"all-gather of optimizer state {key!r} ({like.dtype}) of unit {unit.layout.fqn!r}"
+            f"all-gather of optimizer state {key!r} ({like.dtype}) of unit {unit_label(unit.layout.name)!r}"
             for unit, entries in zip(units, per_unit)
             for key, like in entries
         ],

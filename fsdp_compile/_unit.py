@@ -79,6 +79,7 @@ class UnitState:
         reshard_after_forward: bool,
     ) -> None:
         self.layout = layout
+        self._slot_index = {slot.offset: i for i, slot in enumerate(layout.slots)}
         self.flat = flat
         self.pieces = pieces
         self.group = group
@@ -106,11 +107,20 @@ class UnitState:
         cycle, so a deleted model is freed by reference counting ([Note: eager gather and reshard])."""
         self.initializing: dict[int, torch.Tensor] | None = None
         """Inside ``init_parameters``: the full parameters read so far by the current ``init_fn`` call, by offset."""
-        self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
+        self._watch_gradient()
 
     def __repr__(self) -> str:
-        name = unit_label(self.layout.fqn)
+        name = unit_label(self.layout.name)
         return f"UnitState({name!r}, params={len(self.layout.slots)}, shard={self.layout.shard_numel})"
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the unit's parameters train: only then has its flat shard a gradient (and a reduction)."""
+        return self.flat.requires_grad
+
+    def _watch_gradient(self) -> None:
+        if self.trainable:
+            self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
 
     def shard_version(self) -> int:
         """The flat shard's tensor version: an in-place update (an optimizer step) changes it."""
@@ -120,7 +130,7 @@ class UnitState:
         """The unit's all-gather and gradient reduction, as the ranks compare them (``fsdp_compile._agree``; with
         HSDP also across the replicas, whose groups have names of their own: no group names here)."""
         return (
-            f"all-gather of unit {unit_label(self.layout.fqn)!r} ({self.layout.padded_numel} elements in "
+            f"all-gather of unit {unit_label(self.layout.name)!r} ({self.layout.padded_numel} elements in "
             f"{self.param_dtype}; gradients by {self.grad_reduction} in {self.reduce_dtype}) over "
             f"{self.world_size} ranks" + ("" if self.replicate_group is None else f" x {self.replicas} replicas")
         )
@@ -148,7 +158,14 @@ class UnitState:
     def unshard_param(self, slot: ParamSlot) -> torch.Tensor:
         """The full parameter ``slot``: a marker op under compile, a view of the gathered unit in eager (outside
         the unit's forward, one whose in-place writes raise), inside ``init_parameters`` one whose writes reach
-        the shard."""
+        the shard. A parameter frozen at ``shard()`` that asks for a gradient now is refused (Dynamo guards on its
+        ``requires_grad``, so compiled graphs check it again when it changes)."""
+        if not self.trainable and self.piece(slot).param.requires_grad:
+            raise RuntimeError(
+                f"{slot.names[0]} was frozen (requires_grad=False) when fsdp_compile.shard() ran and now requires a "
+                "gradient: a frozen parameter lives in a buffer that has no gradient, so it would never train. Set "
+                "requires_grad before shard() (e.g. call get_peft_model() or requires_grad_() first), then shard"
+            )
         if torch.compiler.is_compiling():
             return unshard(self.flat, self.accum, slot.offset, slot.numel, list(slot.shape), self.param_dtype)
         if self.initializing is not None:
@@ -161,11 +178,14 @@ class UnitState:
         full = self.eager.param(slot.offset, slot.numel, slot.shape)
         return outside_forward(full, slot.names[0]) if self.eager.gathered is None else full
 
+    def piece(self, slot: ParamSlot) -> Piece:
+        return self.pieces[self._slot_index[slot.offset]]
+
     def _full_for_init(self, slot: ParamSlot) -> torch.Tensor:
         """The full parameter for ``init_parameters``: zeros, but for this rank's part, the shard's value."""
         assert self.initializing is not None
         if slot.offset not in self.initializing:
-            piece = self.pieces[self.layout.slots.index(slot)]
+            piece = self.piece(slot)
             full = nn.Parameter(self.flat.new_zeros(slot.shape), requires_grad=piece.param.requires_grad)
             with torch.no_grad():
                 self.local_part(slot, full).copy_(piece.param)
@@ -189,7 +209,7 @@ class UnitState:
         self.flat = empty(old.detach()).zero_().requires_grad_(old.requires_grad)  # the padding zero, as shard()'s
         _internals.mark_static(self.flat)
         self.pieces = cut_pieces(self.flat, self.layout, self.rank, [p.param.requires_grad for p in replaced])
-        self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
+        self._watch_gradient()
         _units_by_shard.pop(id(old), None)
         _units_by_shard[id(self.flat)] = self
         return replaced
@@ -221,7 +241,7 @@ class UnitState:
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
         self.requires_gradient_sync = requires
-        if not requires and self.accum is None and self.groups:  # a unit with collectives
+        if not requires and self.accum is None and self.groups and self.trainable:  # a unit with a reduction
             # A stride-0 view of one element: a leaf of full shape that costs no memory until it has a grad.
             zero = torch.zeros((), dtype=self.reduce_dtype, device=self.flat.device)
             self.accum = zero.expand(self.layout.padded_numel).requires_grad_()

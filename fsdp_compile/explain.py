@@ -113,7 +113,7 @@ def _units_table(units: list[dict[str, Any]]) -> list[str]:
     lines = ["| unit | parameters | elements | per rank | padding | param dtype | reduce dtype | gradient reduction "
              "| reshard after forward |", "|---|---|---|---|---|---|---|---|---|"]
     for u in units:
-        lines.append(f"| {unit_label(u['fqn'])} | {len(u['parameters'])} | {u['num_parameters']:,} | {u['shard_numel']:,} | "
+        lines.append(f"| {unit_label(u['name'])} | {len(u['parameters'])} | {u['num_parameters']:,} | {u['shard_numel']:,} | "
                      f"{u['padded_numel'] - u['num_parameters']:,} | {u['param_dtype']} | {u['reduce_dtype']} | "
                      f"{u['grad_reduction']} | {u['reshard_after_forward']} |")
     return lines
@@ -190,7 +190,7 @@ def _graph_warnings(graphs: list[GraphDump]) -> list[str]:
                 out.append(f"{where} forward: the first all-gather ({first}) has no compute before it to hide behind")
         sizes = [u["num_parameters"] for u in g.units]
         median = statistics.median(sizes) if sizes else 0
-        out += [f"{where}: unit {unit_label(u['fqn'])} has {u['num_parameters'] / median:.1f}x the median unit's "
+        out += [f"{where}: unit {unit_label(u['name'])} has {u['num_parameters'] / median:.1f}x the median unit's "
                 f"parameters ({u['num_parameters']:,} vs {median:,.0f})"
                 for u in g.units if median and u["num_parameters"] > LARGE_UNIT * median]
         sizes_by_name = {b["name"]: b["nbytes"] for b in (g.memory or {}).get("buffers", [])}

@@ -90,7 +90,7 @@ def _slot(state: UnitState, offset: int, numel: int, shape: tuple[int, ...]) -> 
     for slot in state.layout.slots:
         if (slot.offset, slot.numel, slot.shape) == (offset, numel, shape):
             return slot
-    raise AssertionError(f"unit {state.layout.fqn!r} has no parameter at offset {offset} of shape {shape}")
+    raise AssertionError(f"unit {state.layout.name!r} has no parameter at offset {offset} of shape {shape}")
 
 
 def is_marker(node: fx.Node) -> bool:
@@ -121,7 +121,7 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputsPlan) -> Collect
                 raise AssertionError(f"{node.name}: marker dtype {kwargs['dtype']} != unit dtype {state.param_dtype}")
             accum = kwargs["accum"].name if isinstance(kwargs["accum"], fx.Node) else None
             if accums.setdefault(key, accum) != accum:
-                raise AssertionError(f"{node.name}: unit {state.layout.fqn!r} read with two gradient accumulators")
+                raise AssertionError(f"{node.name}: unit {state.layout.name!r} read with two gradient accumulators")
             view = ParamView(node.name, _slot(state, kwargs["offset"], kwargs["numel"], tuple(kwargs["shape"])))
             views.setdefault(key, []).append(view)
     gathers = []
@@ -129,7 +129,7 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputsPlan) -> Collect
         state = unit_inputs.units[(path, shard_name)]
         gathers.append(
             UnitGather(
-                unit=state.layout.fqn,
+                unit=state.layout.name,
                 graph=path,
                 shard=shard_name,
                 accum=accums[(path, shard_name)],

@@ -40,7 +40,7 @@ class UnitInputsPlan:
     units: Mapping[tuple[str, str], UnitState]
 
     def to_json(self) -> str:
-        return json.dumps({f"{graph}/{name}": state.layout.fqn for (graph, name), state in self.units.items()})
+        return json.dumps({f"{graph}/{name}": state.layout.name for (graph, name), state in self.units.items()})
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:

@@ -15,7 +15,7 @@ from torch import nn
 
 import fsdp_compile
 from fsdp_compile.testing.dist import run_ranks
-from fsdp_compile.testing.reference import assert_bitwise, rel_error
+from fsdp_compile.testing.reference import CausalLMLoss, assert_bitwise, micro_batch_step, rel_error
 
 transformers = pytest.importorskip("transformers")
 HuggingFaceStorageReader = pytest.importorskip("torch.distributed.checkpoint").HuggingFaceStorageReader
@@ -29,18 +29,6 @@ def _config(tied: bool) -> "transformers.LlamaConfig":
     )
 
 
-class CausalLMLoss(nn.Module):
-    """A causal LM behind the ``model(inputs, targets) -> loss`` interface of ``reference_step``."""
-
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm(input_ids=inputs).logits
-        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
 class CountingReader(HuggingFaceStorageReader):
     """``HuggingFaceStorageReader`` that counts the bytes it reads from the files."""
 
@@ -51,24 +39,6 @@ class CountingReader(HuggingFaceStorageReader):
     def _process_read_request(self, f, req, planner) -> None:  # type: ignore[no-untyped-def]
         super()._process_read_request(f, req, planner)
         self.bytes_read += math.prod(req.lengths) * planner.resolve_tensor(req).element_size()
-
-
-def _micro_batch_step(ref: nn.Module, tokens: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Forward and backward of the unsharded ``ref`` on each rank's micro-batch, then the gradients averaged:
-    what the sharded model computes. Not one pass over the whole batch, nor ``(loss / world_size).backward()``:
-    Hugging Face's RMSNorm computes in float32, so the gradients of a float64 Llama are rounded to float32 there,
-    and scaling before that rounding or after it differs by ~1e-7 for 3 ranks (not for 2: exact in binary)."""
-    losses, grads = [], {}
-    for micro in tokens.chunk(world_size):
-        loss = ref(micro[:, :-1], micro[:, 1:])
-        loss.backward()
-        losses.append(loss.detach())
-        for p in ref.parameters():
-            grads[p] = grads.get(p, 0) + p.grad / world_size
-            p.grad = None
-    for p, grad in grads.items():
-        p.grad = grad
-    return torch.stack(losses).mean()
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["tied", "untied"])
@@ -111,7 +81,7 @@ def _round_trip(rank: int, world_size: int, path: pathlib.Path, tied: bool, out:
         local = tokens[2 * rank : 2 * rank + 2]
         loss = run(local[:, :-1], local[:, 1:])
         loss.backward()
-        ref_loss = _micro_batch_step(ref, tokens, world_size)
+        ref_loss = micro_batch_step(ref, tokens, world_size)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         losses = [torch.zeros((), dtype=torch.float64) for _ in range(world_size)]
         dist.all_gather(losses, loss.detach())
