@@ -28,17 +28,19 @@ STEPS = 2
 RS, A2A = torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.all_to_all_single.default
 AG = (torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops.fsdp_compile.all_gather_into_slot.default)
 
-# rel. error of (loss, trainable gradients, parameters after the steps), the worst tensor. float64: only the
-# reduction order differs, and Hugging Face's RMSNorm computes in float32 (the reference averages the ranks'
-# gradients as the sharded model does: micro_batch_step). bf16 base with float32 adapters: the base's bf16 matmuls
-# are the same ops on both sides under aot_eager; Inductor fuses bf16 ops and keeps float32 intermediates where
-# eager rounds to bf16 (resolution 2**-8 = 3.9e-3), so gradients differ at that level and AdamW's normalized update
-# of an element whose gradient is within that noise can move differently: the tolerances of test_parity's bf16 case.
+# rel. error of (loss, trainable gradients, parameters after the steps), the worst tensor; the unsharded reference
+# averages the ranks' gradients as the sharded model does (micro_batch_step). float64 under aot_eager: only the
+# reduction order differs. Under Inductor, Hugging Face's RMSNorm computes in float32 and Inductor's fused float32
+# reductions round differently from eager's: the unsharded model compiled with Inductor already differs from it
+# eager by 2e-10 (loss) and 2e-7 (gradients) on these models, and AdamW (lr 1e-2) carries that into the weights.
+# bf16 base with float32 adapters: the same ops on both sides under aot_eager; Inductor fuses bf16 ops and keeps
+# float32 intermediates where eager rounds to bf16 (resolution 2**-8 = 3.9e-3): the unsharded model compiled already
+# differs by 1.2e-2 in the adapters' gradients, and the second step's loss follows from weights updated with them.
 TOLERANCES = {
     (torch.float64, "aot_eager"): (1e-10, 1e-9, 1e-10),
-    (torch.float64, "inductor"): (1e-10, 1e-9, 1e-10),
+    (torch.float64, "inductor"): (1e-9, 1e-5, 1e-5),
     (torch.bfloat16, "aot_eager"): (1e-6, 1e-6, 1e-6),
-    (torch.bfloat16, "inductor"): (1e-3, 5e-2, 3e-2),
+    (torch.bfloat16, "inductor"): (2e-2, 5e-2, 3e-2),
 }
 
 
@@ -105,7 +107,7 @@ def _finetune(rank: int, world_size: int, compiler: str, names: list[str]) -> No
         run = torch.compile(model, backend=fsdp_compile.backend(compiler=compiler), fullgraph=True)
         opt = torch.optim.AdamW(_trainable(model).values(), lr=1e-2)
         ref_opt = torch.optim.AdamW(_trainable(ref).values(), lr=1e-2)
-        loss_tol, grad_tol, param_tol = TOLERANCES[(dtype, compiler)]
+        worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
         for step in range(STEPS):
             tokens = torch.randint(0, VOCAB, (2 * world_size, 9), generator=torch.Generator().manual_seed(step))
             local = tokens[2 * rank : 2 * rank + 2]
@@ -114,11 +116,10 @@ def _finetune(rank: int, world_size: int, compiler: str, names: list[str]) -> No
             ref_loss = micro_batch_step(ref, tokens, world_size)
             losses = [torch.zeros((), dtype=loss.dtype) for _ in range(world_size)]
             dist.all_gather(losses, loss.detach())
-            assert rel_error(torch.stack(losses).mean(), ref_loss) <= loss_tol, (name, step)
+            worst["loss"] = max(worst["loss"], rel_error(torch.stack(losses).mean(), ref_loss))
             grads = full_grads(model)
-            for n, p in ref.named_parameters():
-                if p.requires_grad:
-                    assert rel_error(grads[n], p.grad) <= grad_tol, (name, step, n, rel_error(grads[n], p.grad))
+            for n, p in _trainable(ref).items():
+                worst["grad"] = max(worst["grad"], rel_error(grads[n], p.grad))
             assert all(p.grad is None for p in model.parameters() if not p.requires_grad), name
             opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
         trained = fsdp_compile.full_state_dict(model)
@@ -126,9 +127,11 @@ def _finetune(rank: int, world_size: int, compiler: str, names: list[str]) -> No
             if n in frozen:
                 assert_bitwise(trained[n], frozen[n], f"{name}: frozen {n}")
             else:
-                assert rel_error(trained[n], want) <= param_tol, (name, n, rel_error(trained[n], want))
+                worst["param"] = max(worst["param"], rel_error(trained[n], want))
         if rank == 0:
-            print(f"{name} {compiler} world {world_size}: loss {loss.item():.6f}, {len(frozen)} frozen bitwise")
+            print(f"{name} {compiler} world {world_size}: worst rel. errors " + ", ".join(
+                f"{k} {v:.1e}" for k, v in worst.items()) + f"; {len(frozen)} frozen tensors bitwise unchanged")
+        assert all(worst[k] <= tol for k, tol in zip(worst, TOLERANCES[(dtype, compiler)])), (name, worst)
 
 
 @pytest.mark.slow
@@ -138,3 +141,76 @@ def test_finetuning_matches_the_unsharded_model(world_size: int, compiler: str) 
     """Each case trains two AdamW steps, sharded over the decoder layers, as the unsharded model does; frozen
     parameters are bitwise as they were and get no gradient."""
     run_ranks(_finetune, world_size, compiler, list(CASES))
+
+
+def _graph_model(case: str) -> nn.Module:
+    """A wider tiny Llama (hidden 64): LoRA's share of it is then as small as on real models (~2%)."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=LAYERS, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="eager",
+    )
+    lm = transformers.LlamaForCausalLM(cfg)
+    if case == "lora":
+        return CausalLMLoss(_lora(lm))
+    for layer in lm.model.layers[: LAYERS // 2]:
+        layer.requires_grad_(False)
+    return CausalLMLoss(lm)
+
+
+def _compiled_graphs(model: nn.Module) -> dict[str, fx.GraphModule]:
+    compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True)
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    with capture_graphs() as graphs:
+        compiled(tokens, tokens).backward()
+    return {g.stage: g.gm for g in graphs}
+
+
+@pytest.mark.parametrize("case", ["lora", "first_half_frozen"])
+def test_backward_reduces_the_trainable_parameters_only(case: str, fake_pg: None) -> None:
+    """The gradient reductions cover the trainable groups (their parameters plus alignment padding) and nothing
+    else; a frozen group has neither a reduction nor a gradient (no backward output for its shard); every group
+    is gathered once in forward (a unit with frozen and trainable parameters: two all-gathers, see "Parameter
+    groups" in docs/architecture.md)."""
+    torch.manual_seed(0)
+    model = fsdp_compile.shard(_graph_model(case), units=_decoder_layers)
+    units = fsdp_compile.sharded_units(model)
+    trainable = [u for u in units if u.trainable]
+    graphs = _compiled_graphs(model)
+    fwd, bwd = graphs["forward"], graphs["backward"]
+    reductions = [n for n in bwd.graph.nodes if n.target in (RS, A2A)]
+    reduced = sum(n.args[0].meta["val"].numel() for n in reductions)
+    assert len(reductions) == len(trainable)
+    assert reduced == sum(u.layout.padded_numel for u in trainable)
+    wanted = sum(p.numel() for p in _trainable(_graph_model(case)).values())
+    total = sum(slot.numel for u in units for slot in u.layout.slots)
+    assert wanted <= reduced <= wanted + sum(16 * len(u.layout.slots) + 2 for u in trainable)
+    if case == "lora":
+        assert reduced < 0.05 * total, (reduced, total)
+    grads = [o for o in bwd.graph.output_node().args[0] if isinstance(o, fx.Node)]
+    assert sorted(o.meta["val"].numel() for o in grads) == sorted(u.layout.shard_numel for u in trainable)
+    assert sum(1 for n in fwd.graph.nodes if n.target in AG) == len(units)
+    frozen_units = {u.layout.fqn for u in units if not u.trainable} - {u.layout.fqn for u in trainable}
+    assert len(frozen_units) == (LAYERS // 2 if case == "first_half_frozen" else 1)  # LoRA: the root (embeddings)
+    print(f"{case}: {len(units)} groups, reduced {reduced:,} of {total:,} elements ({reduced / total:.1%})")
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_parameter_frozen_at_shard_that_asks_for_a_gradient_later_is_refused(compiled: bool, fake_pg: None) -> None:
+    """Dynamo guards on the frozen pieces' ``requires_grad``: the next call recompiles and refuses, as eager does.
+    Freezing a trainable parameter after ``shard()`` takes effect: it gets no gradient (its group still reduces)."""
+    torch.manual_seed(0)
+    model = fsdp_compile.shard(_graph_model("first_half_frozen"), units=_decoder_layers)
+    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager")) if compiled else model
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    run(tokens, tokens).backward()
+    pieces = dict(model.named_parameters())
+    model.lm.model.layers[-1].mlp.requires_grad_(False)
+    model.zero_grad(set_to_none=True)
+    run(tokens, tokens).backward()
+    last = "lm.model.layers.3"
+    assert pieces[f"{last}.mlp.up_proj.weight"].grad is None
+    assert pieces[f"{last}.self_attn.q_proj.weight"].grad is not None
+    model.lm.model.layers[0].self_attn.q_proj.requires_grad_(True)
+    with pytest.raises(RuntimeError, match=r"model.layers.0.self_attn.q_proj.weight was frozen \(requires_grad=False\) "
+                                           r"when fsdp_compile.shard\(\) ran .* Set requires_grad before shard\(\)"):
+        run(tokens, tokens)

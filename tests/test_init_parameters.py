@@ -19,10 +19,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
 from fsdp_compile._agree import fingerprint
-from fsdp_compile._unit import is_sharded
 from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama, init_weights
 from fsdp_compile.testing.reference import assert_bitwise, reference_step, rel_error
+from fsdp_compile.testing.snapshot import assert_unchanged, module_snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIED = dataclasses.replace(LLAMA_TESTS, tie_embeddings=True)
@@ -219,9 +219,10 @@ def test_a_model_initialised_on_meta_equals_and_trains_as_the_unsharded_referenc
 def _different_seeds(rank: int, world_size: int) -> None:
     torch.manual_seed(rank)
     model = Llama(LLAMA_TESTS)
+    before = module_snapshot(model)
     with pytest.raises(ValueError, match=r"rank 1 .* other values than rank 0 in unit '<root>'.*sync_module_states=True"):
         fsdp_compile.shard(model, units=[Block])
-    assert not is_sharded(model)  # checked before touched
+    assert_unchanged(before, module_snapshot(model))  # checked before touched
     fsdp_compile.shard(model, units=[Block], sync_module_states=True)
     torch.manual_seed(0)
     assert_bitwise(fsdp_compile.full_state_dict(model), Llama(LLAMA_TESTS).state_dict())  # rank 0's model
