@@ -14,7 +14,9 @@ __all__ = ["BackendConfig", "MixedPrecision"]
 
 @dataclass(frozen=True, kw_only=True)
 class MixedPrecision:
-    """Dtypes of the collectives; the shards (the optimizer's main weights) keep the model's dtype."""
+    """Dtypes of the collectives; the shards (the optimizer's main weights) keep the model's dtype. Applies to
+    every floating-point parameter group (a unit holding float32 adapters beside a bf16 base casts both); integer
+    and bool parameters are gathered in their own dtype."""
 
     param_dtype: torch.dtype | None = None
     """Dtype the unit's flat shard is cast to before its all-gather; the forward and backward compute in
