@@ -76,7 +76,7 @@ def _summary(u: UnitState) -> UnitSummary:
         shard_numel=u.layout.shard_numel,
         param_dtype=str(u.param_dtype),
         reduce_dtype=str(u.reduce_dtype),
-        grad_reduction=u.grad_reduction,
+        grad_reduction=u.grad_reduction if u.trainable else "none (frozen)",
         reshard_after_forward=u.reshard_after_forward,
     )
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from typing import NamedTuple, ParamSpec, TypeVar
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,7 @@ from fsdp_compile._eager import EagerUnit
 from fsdp_compile._internals import counters
 from fsdp_compile._layout import ParamSlot, UnitLayout, unit_label
 from fsdp_compile._outside_forward import outside_forward
+from fsdp_compile._weak import weak_method
 from fsdp_compile._ops import (
     GradReduction,
     all_gather_nograd,
@@ -28,10 +29,7 @@ from fsdp_compile._ops import (
     unshard,
 )
 
-__all__ = ["Piece", "UnitState", "cut_pieces", "is_sharded", "register_units", "sharded_units", "unit_of_shard", "weak_method"]
-
-P = ParamSpec("P")
-R = TypeVar("R")
+__all__ = ["Piece", "UnitState", "cut_pieces", "is_sharded", "register_units", "sharded_units", "unit_of_shard"]
 
 UNITS_ATTR = "_fsdp_compile_units"
 """On the module shard() was called on: its units, in order."""
@@ -107,7 +105,8 @@ class UnitState:
         cycle, so a deleted model is freed by reference counting ([Note: eager gather and reshard])."""
         self.initializing: dict[int, torch.Tensor] | None = None
         """Inside ``init_parameters``: the full parameters read so far by the current ``init_fn`` call, by offset."""
-        self._watch_gradient()
+        if self.trainable:
+            self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
 
     def __repr__(self) -> str:
         name = unit_label(self.layout.name)
@@ -118,10 +117,6 @@ class UnitState:
         """Whether the unit's parameters train: only then has its flat shard a gradient (and a reduction)."""
         return self.flat.requires_grad
 
-    def _watch_gradient(self) -> None:
-        if self.trainable:
-            self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
-
     def shard_version(self) -> int:
         """The flat shard's tensor version: an in-place update (an optimizer step) changes it."""
         return self.flat._version
@@ -129,10 +124,11 @@ class UnitState:
     def describe_gather(self) -> str:
         """The unit's all-gather and gradient reduction, as the ranks compare them (``fsdp_compile._agree``; with
         HSDP also across the replicas, whose groups have names of their own: no group names here)."""
+        gradients = f"gradients by {self.grad_reduction} in {self.reduce_dtype}" if self.trainable else "frozen"
+        replicas = "" if self.replicate_group is None else f" x {self.replicas} replicas"
         return (
             f"all-gather of unit {unit_label(self.layout.name)!r} ({self.layout.padded_numel} elements in "
-            f"{self.param_dtype}; gradients by {self.grad_reduction} in {self.reduce_dtype}) over "
-            f"{self.world_size} ranks" + ("" if self.replicate_group is None else f" x {self.replicas} replicas")
+            f"{self.param_dtype}; {gradients}) over {self.world_size} ranks{replicas}"
         )
 
     @property
@@ -158,13 +154,11 @@ class UnitState:
     def unshard_param(self, slot: ParamSlot) -> torch.Tensor:
         """The full parameter ``slot``: a marker op under compile, a view of the gathered unit in eager (outside
         the unit's forward, one whose in-place writes raise), inside ``init_parameters`` one whose writes reach
-        the shard. A parameter frozen at ``shard()`` that asks for a gradient now is refused (Dynamo guards on its
-        ``requires_grad``, so compiled graphs check it again when it changes)."""
+        the shard. A parameter frozen at ``shard()`` that asks for a gradient now is refused (Dynamo guards on it)."""
         if not self.trainable and self.piece(slot).param.requires_grad:
             raise RuntimeError(
                 f"{slot.names[0]} was frozen (requires_grad=False) when fsdp_compile.shard() ran and now requires a "
-                "gradient: a frozen parameter lives in a buffer that has no gradient, so it would never train. Set "
-                "requires_grad before shard() (e.g. call get_peft_model() or requires_grad_() first), then shard"
+                "gradient: it lives in a buffer without one and would never train. Set requires_grad before shard()"
             )
         if torch.compiler.is_compiling():
             return unshard(self.flat, self.accum, slot.offset, slot.numel, list(slot.shape), self.param_dtype)
@@ -185,10 +179,10 @@ class UnitState:
         """The full parameter for ``init_parameters``: zeros, but for this rank's part, the shard's value."""
         assert self.initializing is not None
         if slot.offset not in self.initializing:
-            piece = self.piece(slot)
-            full = nn.Parameter(self.flat.new_zeros(slot.shape), requires_grad=piece.param.requires_grad)
+            piece = self.piece(slot).param
+            full = nn.Parameter(self.flat.new_zeros(slot.shape), requires_grad=piece.requires_grad)
             with torch.no_grad():
-                self.local_part(slot, full).copy_(piece.param)
+                self.local_part(slot, full).copy_(piece)
             self.initializing[slot.offset] = full
         return self.initializing[slot.offset]
 
@@ -209,7 +203,8 @@ class UnitState:
         self.flat = empty(old.detach()).zero_().requires_grad_(old.requires_grad)  # the padding zero, as shard()'s
         _internals.mark_static(self.flat)
         self.pieces = cut_pieces(self.flat, self.layout, self.rank, [p.param.requires_grad for p in replaced])
-        self._watch_gradient()
+        if self.trainable:
+            self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
         _units_by_shard.pop(id(old), None)
         _units_by_shard[id(self.flat)] = self
         return replaced
@@ -277,20 +272,6 @@ class UnitState:
                 piece.param.grad = grad[piece.lo : piece.hi]
             else:
                 piece.param.grad.add_(grad[piece.lo : piece.hi])
-
-
-def weak_method(method: Callable[P, R]) -> Callable[P, R | None]:
-    """``method``, called without keeping its object alive (None once the object is gone). For what a unit
-    hands to its tensors' hooks and to its own eager state: strong references would make cycles that only
-    the garbage collector breaks, late, and a deleted model's shards and process group would outlive it
-    (see ``_units_by_shard``)."""
-    ref = weakref.WeakMethod(method)
-
-    def call(*args: P.args, **kwargs: P.kwargs) -> R | None:
-        bound = ref()
-        return None if bound is None else bound(*args, **kwargs)
-
-    return call
 
 
 def register_units(module: nn.Module, states: list[UnitState]) -> None:

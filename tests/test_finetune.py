@@ -17,6 +17,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
+from fsdp_compile._plan_shard import plan_shard
 from fsdp_compile.debug import capture_graphs
 from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.reference import CausalLMLoss, assert_bitwise, full_grads, micro_batch_step, rel_error
@@ -242,3 +243,49 @@ def test_a_parameter_frozen_at_shard_that_asks_for_a_gradient_later_is_refused(c
     with pytest.raises(RuntimeError, match=r"model.layers.0.self_attn.q_proj.weight was frozen \(requires_grad=False\) "
                                            r"when fsdp_compile.shard\(\) ran .* Set requires_grad before shard\(\)"):
         run(tokens, tokens)
+
+
+class Permuted(nn.Module):
+    """A unit holding an integer parameter beside floating ones (a fixed permutation of its outputs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 8)
+        self.perm = nn.Parameter(torch.randperm(8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x)[:, self.perm]
+
+
+def _integer_parameters(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    ref = nn.Sequential(Permuted(), Permuted()).double()  # .double() leaves the integer parameters as they are
+    model = fsdp_compile.shard(copy.deepcopy(ref), units=[Permuted])
+    assert [u.name for u in fsdp_compile.describe(model).units] == [
+        f"{i}[{dtype}]" for i in (0, 1) for dtype in ("int64 frozen", "float64 trainable")]  # module order
+    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True)
+    x = torch.randn(2 * world_size, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    out = run(x[2 * rank : 2 * rank + 2])
+    out.square().sum().backward()  # a gradient for the floating group only
+    torch.testing.assert_close(out, ref(x)[2 * rank : 2 * rank + 2], rtol=0, atol=0)
+    assert_bitwise(fsdp_compile.full_state_dict(model)["1.perm"], ref[1].perm)
+
+
+def test_integer_parameters_are_gathered_as_they_are() -> None:
+    """An integer parameter in a unit is its own (frozen) group, gathered in its dtype: the outputs are the unsharded
+    model's, bitwise."""
+    run_ranks(_integer_parameters, 2)
+
+
+def test_mixed_precision_casts_the_floating_groups_only() -> None:
+    """``MixedPrecision(param_dtype=bf16)`` casts the float32 and float64 groups; the integer group is gathered in
+    int64, with no gradient."""
+    module = nn.Sequential(Permuted(), Permuted())
+    module[1].linear.double()
+    mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    plan = plan_shard(module, units=[Permuted], world_size=2, mp=mp)
+    got = {u.layout.name: (u.dtype, u.param_dtype) for u in plan.units}
+    assert got == {
+        "0[float32 trainable]": (torch.float32, torch.bfloat16), "0[int64 frozen]": (torch.int64, torch.int64),
+        "1[float64 trainable]": (torch.float64, torch.bfloat16), "1[int64 frozen]": (torch.int64, torch.int64),
+    }
