@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_compile._agree import agree
-from fsdp_compile._layout import ParamSlot
+from fsdp_compile._layout import ParamSlot, unit_label
 from fsdp_compile._sharded_state_dict import local_state_dict
 from fsdp_compile._unit import UnitState, sharded_units
 

@@ -8,11 +8,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama, RMSNorm
+from fsdp_compile.testing.snapshot import assert_unchanged, module_snapshot
 
 
 @pytest.fixture
@@ -102,12 +102,12 @@ def test_the_old_name_of_max_inflight_grad_reductions_still_works() -> None:
 def test_converting_a_sharded_model_is_refused_and_changes_nothing(pg: None) -> None:
     model = fsdp_compile.shard(Llama(LLAMA_TINY).double(), units=[Block])
     flats = [unit.flat for unit in fsdp_compile.sharded_units(model)]
-    before = _snapshot(model)
+    before = module_snapshot(model)
     for convert in (lambda m: m.float(), lambda m: m.to(torch.float32), lambda m: m.layers[1].half()):
         with pytest.raises(TypeError, match=r"converting it would move its flat shards from torch.float64 on cpu to "
                                             r"torch.(float32|float16) on cpu .* Convert the model before shard\(\)"):
             convert(model)
-        assert _snapshot(model) == before
+        assert_unchanged(before, module_snapshot(model))
         assert all(p.dtype == torch.float64 for p in model.parameters())
         assert [unit.flat for unit in fsdp_compile.sharded_units(model)] == flats
     assert model.to("cpu", torch.float64) is model  # to what it already is: fine

@@ -14,7 +14,6 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
 from fsdp_compile._plan_shard import plan_shard

@@ -11,7 +11,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
 
 import fsdp_compile
 from fsdp_compile.testing.dist import run_ranks
