@@ -288,3 +288,18 @@ def test_mixed_precision_casts_the_floating_groups_only() -> None:
         "0[float32 trainable]": (torch.float32, torch.bfloat16), "0[int64 frozen]": (torch.int64, torch.int64),
         "1[float64 trainable]": (torch.float64, torch.bfloat16), "1[int64 frozen]": (torch.int64, torch.int64),
     }
+
+
+def test_gradient_accumulation_keeps_no_accumulator_for_a_frozen_group(fake_pg: None) -> None:
+    """``set_requires_gradient_sync(False)`` gives the trainable groups their full-size accumulator, and a frozen
+    group none (it has no gradient to accumulate)."""
+    torch.manual_seed(0)
+    model = fsdp_compile.shard(_graph_model("lora"), units=_decoder_layers)
+    fsdp_compile.set_requires_gradient_sync(model, False)
+    units = fsdp_compile.sharded_units(model)
+    assert [u.accum is not None for u in units] == [u.trainable for u in units]
+    tokens = torch.randint(0, VOCAB, (2, 8))
+    model(tokens, tokens).backward()
+    fsdp_compile.set_requires_gradient_sync(model, True)
+    model(tokens, tokens).backward()
+    assert all(p.grad is not None for p in _trainable(model).values() if p.numel())
