@@ -1,5 +1,6 @@
-"""Plan the sharding of a module: which parameters form which FSDP unit, where each lies in its unit's flat
-buffer, and the unit's collective settings. Pure: reads the module, changes nothing, and depends on the
+"""Plan the sharding of a module: which parameters form which FSDP unit (and, where a unit's parameters differ
+in dtype or ``requires_grad``, which group of it), where each lies in its group's flat buffer, and the
+collective settings. Pure: reads the module, changes nothing, and depends on the
 world size but not on the rank, so every rank plans the same. Every check of ``shard()``'s input happens
 here, so that a refused call leaves the module untouched.
 

@@ -3,8 +3,9 @@
 After ``shard(model, units=...)``:
 
 * every unit (each matching submodule, plus the root for the parameters left over) owns ONE flat buffer,
-  padded to a multiple of the world size; this rank keeps its chunk as a plain leaf tensor
-  (``UnitState.flat``, ``requires_grad=True``), neither parameter nor buffer;
+  padded to a multiple of the world size, or one per (dtype, ``requires_grad``) group where its parameters
+  differ; this rank keeps its chunk as a plain leaf tensor (``UnitState.flat``, requiring a gradient if the
+  group trains), neither parameter nor buffer;
 * each original parameter is replaced, under its own name in ``module._parameters``, by a 1-D
   ``nn.Parameter`` *piece*: a view of the part of the flat shard that holds it on this rank (possibly
   empty). ``parameters()`` therefore yields only sharded storage, and optimizers keep sharded state;
@@ -12,8 +13,8 @@ After ``shard(model, units=...)``:
   returns the full parameter: under ``torch.compile`` a marker op (``fsdp_compile::unshard``) that the
   backend's passes turn into one all-gather per unit; in eager, a view of the unit's gathered buffer,
   filled by forward pre-hooks on the unit (or gathered on demand);
-* gradients reach ``flat.grad`` (averaged over ranks); a post-accumulate-grad hook hands each piece its
-  part and clears ``flat.grad``;
+* gradients reach ``flat.grad`` (averaged over ranks) of the trainable groups; a post-accumulate-grad hook
+  hands each piece its part and clears ``flat.grad``; a frozen group has no gradient and no reduction;
 * HSDP (a 2-D ``mesh``): the units are sharded over the mesh's second dimension and replicated over its
   first; gradients are averaged over both (a reduce-scatter within the replica, then an all-reduce of the
   shard across the replicas).

@@ -19,7 +19,6 @@ from fsdp_compile._eager import EagerUnit
 from fsdp_compile._internals import counters
 from fsdp_compile._layout import ParamSlot, UnitLayout, unit_label
 from fsdp_compile._outside_forward import outside_forward
-from fsdp_compile._weak import weak_method
 from fsdp_compile._ops import (
     GradReduction,
     all_gather_nograd,
@@ -28,6 +27,7 @@ from fsdp_compile._ops import (
     reduce_scatter_avg,
     unshard,
 )
+from fsdp_compile._weak import weak_method
 
 __all__ = ["Piece", "UnitState", "cut_pieces", "is_sharded", "register_units", "sharded_units", "unit_of_shard"]
 
