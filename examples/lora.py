@@ -1,6 +1,7 @@
 """Fine-tune a sharded Hugging Face model with LoRA adapters (peft): the base frozen, only the adapters train, and
 only they are reduced in backward; then save the adapters where ``PeftModel.from_pretrained`` reads them.
 
+    pip install peft transformers                                # (both in the test extras: pip install -e '.[test]')
     python examples/lora.py                                      # CPU: 2 gloo ranks, a tiny Llama (~1 min)
     torchrun --nproc_per_node 8 examples/lora.py --model 8.8b    # GPUs: Llama 3.1 8B's shape (full attention heads)
     torchrun --nproc_per_node 1 examples/lora.py --model 8.8b --compare --json lora.json
