@@ -29,8 +29,8 @@ from fsdp_compile.config import MixedPrecision
 
 __all__ = ["ReshardSpec", "ShardPlan", "UnitPlan", "UnitSpec", "plan_shard"]
 
-UnitSpec = Union[Iterable[type[nn.Module]], Callable[[str, nn.Module], bool]]
-"""Module classes, or a predicate ``(fqn, submodule) -> bool``: the submodules that are units."""
+UnitSpec = Union[type[nn.Module], Iterable[type[nn.Module]], Callable[[str, nn.Module], bool]]
+"""Module classes (or one), or a predicate ``(fqn, submodule) -> bool``: the submodules that are units."""
 ReshardSpec = Union[bool, Callable[[str, nn.Module], bool]]
 """Whether to reshard every unit after forward, or a predicate ``(unit fqn, unit module) -> bool``."""
 
@@ -147,7 +147,7 @@ def _check_not_compiled(module: nn.Module) -> None:
 def _unit_predicate(units: UnitSpec) -> Callable[[str, nn.Module], bool]:
     if callable(units) and not isinstance(units, type):
         return units  # type: ignore[return-value]
-    classes = tuple(units)  # type: ignore[arg-type]
+    classes = (units,) if isinstance(units, type) else tuple(units)  # type: ignore[arg-type]  # units=Block too
     if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         raise TypeError(
             "units must be an iterable of nn.Module subclasses (e.g. units=[TransformerBlock]) or a "

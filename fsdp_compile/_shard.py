@@ -54,7 +54,7 @@ def shard(
 ) -> nn.Module:
     """Shard ``module`` in place into FSDP units and return it.
 
-    ``units``: module classes, or a predicate ``(fqn, submodule) -> bool``; every matching submodule is a
+    ``units``: module classes (or one), or a predicate ``(fqn, submodule) -> bool``; every matching submodule is a
     unit, the parameters left over form the root unit. Tied parameters must be owned by modules of one
     unit. ``group``: the process group to shard over (default: the default group). ``mesh`` (instead of
     ``group``): a ``DeviceMesh`` of one dimension (shard over it) or two, ``(replicate, shard)`` as FSDP2's

@@ -12,6 +12,7 @@ from torch import nn
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
+from fsdp_compile._plan_shard import plan_shard
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 
 ALIGN = 16  # elements; each parameter starts aligned in its unit's flat buffer
@@ -151,7 +152,6 @@ def test_plan_shard_is_pure_frozen_and_what_shard_applies() -> None:
     import dataclasses
     import json
 
-    from fsdp_compile._plan_shard import plan_shard
 
     torch.manual_seed(0)
     model = Llama(LLAMA_TINY)
@@ -193,3 +193,10 @@ def test_module_hooks_are_bound_methods_in_insertion_order(sharded: tuple[Llama,
     # The checks run before the unit's own pre-hook, which gathers.
     pre_hooks = [hook.__name__ for hook in model.layers[0]._forward_pre_hooks.values()]
     assert pre_hooks == ["hook", "pre_forward"]
+
+
+def test_units_may_be_one_class_or_a_list_of_classes() -> None:
+    """``units=Block`` (a class, not a list) means ``units=[Block]``, as FSDP2 users write it."""
+    model = Llama(LLAMA_TINY)
+    one, many = (plan_shard(model, units=units, world_size=2) for units in (Block, [Block]))
+    assert one == many and [u.layout.fqn for u in one.units] == ["", "layers.0", "layers.1", "layers.2", "layers.3"]
