@@ -58,8 +58,8 @@ def train(model: torch.nn.Module, backend: object, args: argparse.Namespace, dev
         torch.cuda.reset_peak_memory_stats(device)
     times, losses = [], []
     for step in range(warmup + steps):
-        tokens = torch.randint(0, vocab, (1, seq + 1), generator=torch.Generator().manual_seed(step * world_size + rank))
-        tokens = tokens.to(device)
+        seed = torch.Generator().manual_seed(step * world_size + rank)
+        tokens = torch.randint(0, vocab, (1, seq + 1), generator=seed).to(device)
         start = time.perf_counter()
         loss = compiled(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
@@ -123,8 +123,9 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
                                                             if args.model == "tiny" else ""))
         if args.compare and cuda:
             plain = results["unsharded"]
+            more = (sharded["peak_bytes"] - plain["peak_bytes"]) / 2**20
             print(f"peak memory: sharded {sharded['peak_bytes'] / 2**30:.3f} GiB, without shard() "
-                  f"{plain['peak_bytes'] / 2**30:.3f} GiB (difference {(sharded['peak_bytes'] - plain['peak_bytes']) / 2**20:+.1f} "
+                  f"{plain['peak_bytes'] / 2**30:.3f} GiB (difference {more:+.1f} "
                   f"MiB; the shards' padding {padding / 2**20:.2f} MiB); step time sharded / without shard(): "
                   f"{sharded['step_s'] / plain['step_s']:.3f} ({plain['step_s'] * 1e3:.1f} ms without)")
         if args.json:
