@@ -27,8 +27,8 @@ def fake_pg():
 
 # The files that take longest (most compiles), first: the two workers take a file at a time in this order, and a
 # long file started last would run alone at the end while the other worker idles.
-LONGEST_FIRST = ("test_finetune.py", "test_parity.py", "test_codegen.py", "test_benchmark.py", "test_graphs.py", "test_schedule.py",
-                 "test_plan_memory.py", "test_dcp.py", "test_recompiles.py")
+LONGEST_FIRST = ("test_finetune.py", "test_parity.py", "test_codegen.py", "test_benchmark.py", "test_graphs.py",
+                 "test_schedule.py", "test_plan_memory.py", "test_dcp.py", "test_recompiles.py")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
