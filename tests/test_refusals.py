@@ -21,6 +21,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
 from fsdp_compile import _plan_shard, _shard
+from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.llama import LLAMA_TINY, Block, Llama
 from fsdp_compile.testing.snapshot import assert_unchanged, module_snapshot
 
@@ -62,16 +63,21 @@ def _compiled_submodule() -> tuple[nn.Module, dict[str, Any]]:
 
 
 REFUSALS = {
-    "already-sharded": Refusal(lambda: (_sharded(), {"units": [Block]}), ValueError, "already sharded by fsdp_compile"),
+    "already-sharded": Refusal(lambda: (_sharded(), {"units": [Block]}), ValueError,
+                               "already sharded by fsdp_compile.shard"),
     "part-of-a-sharded-model": Refusal(lambda: (_sharded().layers[0], {"units": [nn.Linear]}), ValueError,
                                        "already sharded"),
-    "group-and-mesh": Refusal(_tiny(group="WORLD", mesh=(2,)), ValueError, r"pass group= or mesh=.*not both"),
-    "not-a-mesh": Refusal(_tiny(mesh="dp"), TypeError, "mesh must be a torch.distributed.device_mesh.DeviceMesh"),
-    "3-d-mesh": Refusal(_tiny(mesh=(2, 1, 1)), ValueError, r"a mesh of 1 dimension \(shard\) or 2 .* got 3 dim"),
+    "group-and-mesh": Refusal(_tiny(group="WORLD", mesh=(2,)), ValueError,
+                              r"pass group= or mesh= to fsdp_compile.shard\(\), not both"),
+    "not-a-mesh": Refusal(_tiny(mesh="dp"), TypeError,
+                          "mesh must be a torch.distributed.device_mesh.DeviceMesh, got str"),
+    "3-d-mesh": Refusal(_tiny(mesh=(2, 1, 1)), ValueError,
+                        r"a mesh of 1 dimension \(shard\) or 2 \(replicate, shard\), got 3 dimensions"),
     "rank-not-in-mesh": Refusal(_tiny(mesh="rank 1 only"), ValueError,
                                 r"this rank \(global rank 0\) is not in the mesh"),
     "no-process-group": Refusal(_tiny(), RuntimeError, r"init_process_group\(\) first .* or pass group=", False),
-    "not-a-member": Refusal(_tiny(group="rank 1 only"), ValueError, r"rank \(global rank 0\) is not a member of the"),
+    "not-a-member": Refusal(_tiny(group="rank 1 only"), ValueError,
+                            r"this rank \(global rank 0\) is not a member of the process group passed as group="),
     "group-of-the-wrong-type": Refusal(_tiny(group=2), TypeError, "group must be a torch.distributed.ProcessGroup"),
     "mp-of-the-wrong-type": Refusal(_tiny(mp=torch.bfloat16), TypeError, "mp must be a fsdp_compile.MixedPrecision"),
     "reshard-of-the-wrong-type": Refusal(_tiny(reshard_after_forward="output"), TypeError,
@@ -79,15 +85,17 @@ REFUSALS = {
     "compiled": Refusal(lambda: (torch.compile(Llama(LLAMA_TINY)), {"units": [Block]}), TypeError,
                         r"wrapped by torch.compile \(<the module itself>\): shard the plain model first"),
     "compiled-submodule": Refusal(_compiled_submodule, TypeError, r"wrapped by torch.compile \(layers.1\)"),
-    "units-of-the-wrong-type": Refusal(_tiny(units=["Block"]), TypeError, "units must be an iterable of nn.Module"),
+    "units-of-the-wrong-type": Refusal(_tiny(units=["Block"]), TypeError,
+                                       "units must be an iterable of nn.Module subclasses"),
     "units-that-match-nothing": Refusal(_tiny(units=[nn.GRU]), ValueError,
                                         r"units=\[<class .*GRU'>\] matched no submodule of Llama"),
     "no-parameters": Refusal(lambda: (nn.Sequential(nn.ReLU()), {"units": [nn.ReLU]}), ValueError,
                              "Sequential has no parameters to shard"),
     "several-devices": Refusal(_on_two_devices, ValueError,
-                               r"several devices \(.*'norm.weight' on cuda.*move the whole"),
+                               r"several devices \(.*'norm.weight' on cuda.*move the whole model"),
     "tied-across-units": Refusal(_tied_across_units, ValueError,
-                                 r"'layers.0.attention.wq.weight' is shared by modules of different units"),
+                                 r"'layers.0.attention.wq.weight' is shared by modules of different units "
+                                 r"\['layers.0', 'layers.2'\]"),
 }
 
 
@@ -135,3 +143,22 @@ def test_every_refusal_of_shard_leaves_the_module_unchanged() -> None:
                 dist.destroy_process_group()
     untested = _raises_of(_shard, _plan_shard) - reached
     assert not untested, f"shard() refusals without a case in REFUSALS: {sorted(untested)}"
+
+
+def _not_a_member(rank: int, world_size: int) -> None:
+    only_rank0 = dist.new_group([0])
+    model = Llama(LLAMA_TINY)
+    if rank == 0:
+        fsdp_compile.shard(model, units=[Block], group=only_rank0)
+        assert fsdp_compile.sharded_units(model)[0].world_size == 1
+    else:
+        before = module_snapshot(model)
+        with pytest.raises(ValueError, match=r"this rank \(global rank 1\) is not a member of the process group "
+                                             r"passed as group="):
+            fsdp_compile.shard(model, units=[Block], group=only_rank0)
+        assert_unchanged(before, module_snapshot(model))
+
+
+def test_a_group_this_rank_is_not_in_shards_on_its_members_only() -> None:
+    """On real ranks: rank 0 shards over the group of itself, rank 1 (not in it) is refused, its model unchanged."""
+    run_ranks(_not_a_member, 2)
