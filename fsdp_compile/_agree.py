@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_compile import _internals
+from fsdp_compile._channel import BEAT_S, channel_named
 
 if TYPE_CHECKING:
     from fsdp_compile._unit import UnitState
@@ -65,15 +66,23 @@ def agree(
     store.set(f"{_PREFIX}waiting/{rank}", digest)
     wanted = [f"{_PREFIX}has/{digest}/{q}" for q in range(world_size)]
     timeout = _internals.group_timeout(group, device).total_seconds()
-    start = time.monotonic()
+    channel = channel_named(group.group_name)
+    start = next_look = time.monotonic()
     pause = 0.001
     while not store.check(wanted):
         missing = [q for q in range(world_size) if not store.check([wanted[q]])]
         stuck = _stuck_rank(store, missing, rank)
         waited = time.monotonic() - start
-        if stuck is not None or waited > timeout:
+        blocked = None
+        if channel is not None and time.monotonic() >= next_look:  # a rank that waits in a collective for this one
+            channel.check()
+            blocked = channel.waiting_for_this_rank()
+            next_look = time.monotonic() + BEAT_S
+        if stuck is not None or waited > timeout or blocked is not None:
             store.set(f"{_PREFIX}waiting/{rank}", _FAILED + digest)
-            raise RanksDisagree(_message(store, what, rank, collectives, stuck, missing, waited) + hint)
+            message = _blocked_message(what, rank, *blocked) if blocked else _message(
+                store, what, rank, collectives, stuck, missing, waited)
+            raise RanksDisagree(message + hint)
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
     store.set(f"{_PREFIX}waiting/{rank}", "")
@@ -94,6 +103,14 @@ def _stuck_rank(store: Any, missing: list[int], rank: int) -> int | None:
         if status and not store.check([f"{_PREFIX}has/{status}/{rank}"]):
             return other
     return None
+
+
+def _blocked_message(what: str, rank: int, other: int, seq: int, where: str) -> str:
+    return (
+        f"fsdp_compile: rank {other} waits in collective #{seq} of the group ({where}), which this rank ({rank}) has "
+        f"not issued: this rank is at {what} instead, so the ranks' programs diverged (an exception on one rank that "
+        "the training loop caught, a rank-dependent branch, a parameter read on one rank only...). "
+    )
 
 
 def _published(store: Any, rank: int) -> list[str] | None:

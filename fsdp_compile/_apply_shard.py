@@ -21,6 +21,7 @@ from fsdp_compile._optimizer_guard import mark_replaced, watch_optimizers
 from fsdp_compile._plan_shard import ShardPlan, UnitPlan
 from fsdp_compile._sharded_state_dict import install_state_dict_hooks
 from fsdp_compile._unit import SLOTS_ATTR, UNITS_ATTR, UnitState, cut_pieces, register_units
+from fsdp_compile._watch import WATCH_ATTR, ModelWatch, call_watched
 
 __all__ = ["apply_shard"]
 
@@ -60,13 +61,25 @@ def apply_shard(
                 owner.__dict__.setdefault(SLOTS_ATTR, {})[attr] = (state, piece.slot)
                 sharded_modules[id(owner)] = owner
     for owner in sharded_modules.values():
-        owner.__class__ = _sharded_class(type(owner), tuple(sorted(getattr(owner, SLOTS_ATTR, {}))))
+        names = tuple(sorted(getattr(owner, SLOTS_ATTR, {})))
+        owner.__class__ = _sharded_class(type(owner), names, root=owner is module)
     states = [state for state, _ in built]
+    _watch(module, states)
     register_units(module, states)
     _install_hooks(module, states)
     install_state_dict_hooks(module)
     log.info("fsdp_compile.shard: %d units over %d ranks: %s", len(states), world_size, states)
     return states
+
+
+def _watch(module: nn.Module, states: list[UnitState]) -> None:
+    """The model's :class:`ModelWatch` on its process groups' failure channels ([Note: failures])."""
+    fqns = {state.layout.fqn for state in states}
+    units = {id(module.get_submodule(fqn)): fqn for fqn in fqns if fqn}
+    watch = ModelWatch([g for state in states for g in state.groups], states[0].flat.device, units)
+    object.__setattr__(module, WATCH_ATTR, watch)
+    for state in states:
+        state.watch = watch
 
 
 def _install_hooks(module: nn.Module, states: list[UnitState]) -> None:
@@ -234,15 +247,18 @@ def _param_property(name: str) -> property:
     return property(fget, doc=f"The full parameter {name!r}, gathered from its FSDP unit.")
 
 
-_SHARDED_CLASSES: dict[tuple[type[nn.Module], tuple[str, ...]], type[nn.Module]] = {}
+_SHARDED_CLASSES: dict[tuple[type[nn.Module], tuple[str, ...], bool], type[nn.Module]] = {}
 
 
-def _sharded_class(cls: type[nn.Module], names: tuple[str, ...]) -> type[nn.Module]:
-    """A cached subclass of ``cls`` whose class-level property per name shadows ``_parameters``."""
-    key = (cls, names)
+def _sharded_class(cls: type[nn.Module], names: tuple[str, ...], *, root: bool) -> type[nn.Module]:
+    """A cached subclass of ``cls`` whose class-level property per name shadows ``_parameters``; the model's (the
+    ``root``) also has its calls watched (``fsdp_compile._watch``)."""
+    key = (cls, names, root)
     if key not in _SHARDED_CLASSES:
         props: dict[str, Any] = {name: _param_property(name) for name in names}
         props["__module__"] = cls.__module__
         props["_apply"] = _refuse_conversion(cls)
+        if root:
+            props["__call__"] = call_watched
         _SHARDED_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), props)
     return _SHARDED_CLASSES[key]

@@ -26,7 +26,10 @@ from fsdp_compile._apply_shard import unsharded_parameter_message
 from fsdp_compile._describe import units_json
 from fsdp_compile._internals import PassPipeline, counters, inductor_config, lifetime
 from fsdp_compile.config import BackendConfig
+from fsdp_compile._unit import UnitState
+from fsdp_compile._watch import ModelWatch, WatchedBackward
 from fsdp_compile.lowering.choose_route import RouteChoice, choose_route
+from fsdp_compile.lowering.interrupt_waits import InterruptWaits
 from fsdp_compile.lowering.lower_to_symm_mem import (
     LowerToSymmMem,
     reserve_workspace,
@@ -49,7 +52,8 @@ __all__ = ["backend", "fsdp_compile_backend"]
 log = logging.getLogger(__name__)
 
 
-def _post_grad_passes(config: BackendConfig) -> PassPipeline:
+def _post_grad_passes(config: BackendConfig, gloo: bool = False) -> PassPipeline:
+    """The passes on the forward and backward graphs; ``gloo``: the graph's collectives run over gloo."""
     passes: list[Any] = []
     if config.overlap:
         passes.append(
@@ -63,10 +67,12 @@ def _post_grad_passes(config: BackendConfig) -> PassPipeline:
     ))
     if gathers or exchanges:
         passes.append(LowerToSymmMem(all_gather=gathers, grad_reduce=exchanges))
+    if gloo:
+        passes.append(InterruptWaits())
     return PassPipeline(passes)
 
 
-def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
+def _inductor_settings(config: BackendConfig, gloo: bool = False) -> dict[str, Any]:
     """Inductor settings for the forward and backward compiles: our joint and post-grad passes; when the
     overlap schedule runs, no peak-memory reordering after it (that reordering would issue each all-gather
     at its use again); CUDA graphs when asked for."""
@@ -75,7 +81,7 @@ def _inductor_settings(config: BackendConfig) -> dict[str, Any]:
         settings.update(_internals.COMPILE_AFRESH)
     if config.cudagraphs:
         settings["triton.cudagraphs"] = True
-    settings["post_grad_custom_post_pass"] = _post_grad_passes(config)
+    settings["post_grad_custom_post_pass"] = _post_grad_passes(config, gloo)
     if config.overlap:
         settings["reorder_for_peak_memory"] = False
     return settings
@@ -105,24 +111,30 @@ def _user_settings(config: BackendConfig, mode: str | None, options: dict[str, A
     return settings
 
 
-def _inductor_inner_compile(settings: dict[str, Any], dump: Any) -> Callable[..., Any]:
+def _inductor_inner_compile(settings: dict[str, Any], dump: Any, watches: Sequence[ModelWatch]) -> Callable[..., Any]:
     """compile_fx_inner for both graphs. The backward graph is compiled lazily, at the first backward,
-    outside ``_compile``'s settings and dump folder, so they are patched in again here."""
+    outside ``_compile``'s settings and dump folder, so they are patched in again here; it is watched (its
+    exceptions reach the models' failure channels)."""
 
     def inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
-        debug.record("backward" if _internals.is_backward_compile(kwargs) else "forward", gm)
+        backward = _internals.is_backward_compile(kwargs)
+        debug.record("backward" if backward else "forward", gm)
         with inductor_config.patch(settings), _dump.dumping(dump):  # backward: compiled at its first call
-            return _internals.compile_fx_inner(gm, example_inputs, **kwargs)
+            compiled = _internals.compile_fx_inner(gm, example_inputs, **kwargs)
+        return WatchedBackward(compiled, watches) if backward else compiled
 
     return inner_compile
 
 
-def _eager_compiler(stage: debug.Stage, config: BackendConfig) -> Callable[..., Any]:
+def _eager_compiler(
+    stage: debug.Stage, config: BackendConfig, gloo: bool, watches: Sequence[ModelWatch]
+) -> Callable[..., Any]:
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         debug.record(stage, gm)
         with _dump.dumping(config.dump):
-            _post_grad_passes(config)(gm.graph)
-        return _internals.make_boxed_func(gm.forward)
+            _post_grad_passes(config, gloo)(gm.graph)
+        compiled = _internals.make_boxed_func(gm.forward)
+        return WatchedBackward(compiled, watches) if stage == "backward" else compiled
 
     return compiler
 
@@ -204,9 +216,9 @@ def _agree_on_gathers(plan: CollectivesPlan, unit_inputs: UnitInputsPlan, route:
 
 def _insert_collectives(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig
-) -> tuple[CollectivesPlan, BackendConfig]:
-    """The collectives inserted, and ``config`` with the routes ``"auto"`` chose (resolved here, before the
-    ranks agree)."""
+) -> tuple[CollectivesPlan, BackendConfig, list[UnitState]]:
+    """The collectives inserted, ``config`` with the routes ``"auto"`` chose (resolved here, before the ranks
+    agree), and the units the graph gathers."""
     debug.record("dynamo", gm)
     _check_parameters_sharded(gm, example_inputs)
     unit_inputs = plan_unit_inputs(gm, example_inputs)
@@ -229,7 +241,7 @@ def _insert_collectives(
     counters["fsdp_compile"]["all_gathers"] += len(plan.gathers)
     debug.graph_artifact("insert_collectives_after", gm)
     log.info("fsdp_compile: %d units gathered in a graph of %d nodes", len(plan.gathers), len(gm.graph.nodes))
-    return plan, routed
+    return plan, routed, list(unit_inputs.units.values())
 
 
 def _compile(
@@ -247,8 +259,10 @@ def _compile(
 def _compile_dumped(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig, user_settings: dict[str, Any]
 ) -> Callable[..., Any]:
-    plan, config = _insert_collectives(gm, example_inputs, config)
-    settings = {**user_settings, **_inductor_settings(config)}
+    plan, config, states = _insert_collectives(gm, example_inputs, config)
+    gloo = any(dist.get_backend(group) == "gloo" for state in states for group in state.groups)
+    watches = list({id(s.watch): s.watch for s in states if s.watch is not None}.values())
+    settings = {**user_settings, **_inductor_settings(config, gloo)}
     if settings.get("triton.cudagraphs") and not lifetime.before_destroy("cuda_graphs", lifetime.release_cuda_graphs):
         debug.degraded(
             "cuda_graphs_hold_destroy",
@@ -259,15 +273,17 @@ def _compile_dumped(
         _reserve_workspaces(gm, plan)
     if config.compiler == "aot_eager":
         return _internals.aot_autograd(
-            fw_compiler=_eager_compiler("forward", config),
-            bw_compiler=_eager_compiler("backward", config),
+            fw_compiler=_eager_compiler("forward", config, gloo, watches),
+            bw_compiler=_eager_compiler("backward", config, gloo, watches),
             partition_fn=_partition_resharded,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)
     # The passes are also patched around compile_fx so that they are part of the cache keys (FX graph and
     # AOTAutograd caches): a graph compiled with other options is never reused.
     with inductor_config.patch(settings):
-        return _internals.compile_fx(gm, example_inputs, inner_compile=_inductor_inner_compile(settings, config.dump))
+        return _internals.compile_fx(
+            gm, example_inputs, inner_compile=_inductor_inner_compile(settings, config.dump, watches)
+        )
 
 
 def backend(**options: Any) -> Callable[..., Any]:

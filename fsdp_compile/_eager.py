@@ -65,16 +65,22 @@ class EagerUnit:
     """The eager-mode state of one unit, held by the unit (``UnitState.eager``).
 
     ``gather`` all-gathers the unit (differentiable, cast to ``param_dtype``); ``version`` tells whether the
-    shard changed since (its tensor version: an optimizer step bumps it). Both may be weak (return None once
-    the unit's state is gone). ``reshard``: drop the gathered buffer after the unit's forward and gather
+    shard changed since (its tensor version: an optimizer step bumps it); ``backward`` is told when backward
+    first needs the unit. All may be weak (return None once the unit's state is gone). ``reshard``: drop the gathered buffer after the unit's forward and gather
     again in backward (off for units kept gathered, and for a group of one rank, whose "gather" is the shard
     itself)."""
 
     def __init__(
-        self, gather: Callable[[], torch.Tensor | None], version: Callable[[], int | None], *, reshard: bool
+        self,
+        gather: Callable[[], torch.Tensor | None],
+        version: Callable[[], int | None],
+        backward: Callable[[], None],
+        *,
+        reshard: bool,
     ) -> None:
         self._gather = gather
         self._version = version
+        self._backward = backward
         self._reshard = reshard
         self.gathered: torch.Tensor | None = None
         """The gathered unit while the unit's forward runs."""
@@ -132,6 +138,7 @@ class EagerUnit:
         # Gathered again for this backward, unless a gather of the same shard version is still held. Views
         # of a forward that raised are only released when the garbage collector finds them: until then
         # `_pending` stays above zero and the buffer outlives its backward, so it may be stale.
+        self._backward()
         with self._lock:
             version = self._version()
             if self._regathered is None or self._regathered_version != version:

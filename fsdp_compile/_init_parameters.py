@@ -7,12 +7,14 @@ The route for a model too big for one device (FSDP2's): build it on the meta dev
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from fsdp_compile._layout import ParamSlot
 from fsdp_compile._unit import SLOTS_ATTR, UnitState, sharded_units
 
 __all__ = ["init_parameters"]
@@ -51,20 +53,33 @@ def init_parameters(module: nn.Module, init_fn: InitFn | None = None) -> None:
                     "reset_parameters() to initialise them: pass fsdp_compile.init_parameters(model, init_fn=fn), fn "
                     "a function of one submodule that initialises that submodule's own parameters and buffers"
                 )
+    full: dict[UnitState, dict[int, torch.Tensor]] = {state: {} for state in states}
     for state in states:
-        state.initializing = {}
+        state.outside = functools.partial(_full_for_init, state, full[state])
     try:
         for _, sub in submodules:
-            _call(init_fn, sub, states)
+            _call(init_fn, sub, full)
     finally:
         for state in states:
-            state.initializing = None
+            state.outside = None
     log.info("fsdp_compile.init_parameters: %d submodules of %d units initialised", len(submodules), len(states))
 
 
-def _call(init_fn: InitFn, sub: nn.Module, states: list[UnitState]) -> None:
+def _full_for_init(state: UnitState, full: dict[int, torch.Tensor], slot: ParamSlot) -> torch.Tensor:
+    """The full parameter ``slot`` for ``init_parameters`` (kept in ``full`` until written to the shard): zeros, but
+    for this rank's part, the shard's value."""
+    if slot.offset not in full:
+        piece = state.piece(slot).param
+        full[slot.offset] = nn.Parameter(state.flat.new_zeros(slot.shape), requires_grad=piece.requires_grad)
+        with torch.no_grad():
+            state.local_part(slot, full[slot.offset]).copy_(piece)
+    return full[slot.offset]
+
+
+def _call(init_fn: InitFn, sub: nn.Module, full: dict[UnitState, dict[int, torch.Tensor]]) -> None:
     """``init_fn(sub)`` with ``sub``'s own parameters full in its ``_parameters`` (and any read through an
     attribute); then this rank's parts to the shards."""
+    states = list(full)
     owned = getattr(sub, SLOTS_ATTR, {})
     pieces = dict(sub._parameters)
     versions = [s.flat._version for s in states]
@@ -83,9 +98,9 @@ def _call(init_fn: InitFn, sub: nn.Module, states: list[UnitState]) -> None:
             "init_fn was given?). Write the given submodule's own parameters (submodule.weight, "
             "submodule.parameters(recurse=False)): those are full during init_parameters"
         )
-    for state in states:
-        if state.initializing:
-            state.keep_initialized()
+    for state, params in full.items():
+        state.write_local_parts(params)
+        params.clear()
 
 
 def _owns_tensors(sub: nn.Module) -> bool:

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 import torch
 
+from fsdp_compile._channel import channel_named
 from fsdp_compile._internals import c10d_functional as _c10d
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "cast_all_gather_differentiable",
     "reduce_scatter_avg",
     "unshard",
+    "wait",
 ]
 
 GradReduction = Literal["reduce_scatter", "all_to_all"]
@@ -55,20 +57,31 @@ UNIT = "fsdp_compile.unit"
 they become, in forward and backward): the unit's fully qualified name, for graph dumps and plans."""
 
 
+def wait(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``wait_tensor`` of a functional collective's output. Run eagerly over gloo, where a wait in flight cannot be
+    aborted, the group's failure channel waits instead: a failure on another rank ends it (``RankFailed``).
+    Traced (compiled graphs), it is ``wait_tensor`` itself."""
+    if type(tensor) is torch.Tensor and tensor.device.type == "cpu":
+        channel = channel_named(group_name)
+        if channel is not None and channel.backend == "gloo":
+            return channel.wait(tensor)
+    return _c10d.wait_tensor(tensor)
+
+
 def all_gather_nograd(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     """Functional all-gather of a 1-D tensor along dim 0, waited for; no cast. Not for autograd: call it
     under ``torch.no_grad()`` or inside an autograd function."""
-    return _c10d.wait_tensor(_c10d.all_gather_into_tensor(tensor, world_size, group_name))
+    return wait(_c10d.all_gather_into_tensor(tensor, world_size, group_name), group_name)
 
 
 def reduce_scatter_avg(tensor: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     """Functional reduce-scatter (average over the group) of a 1-D tensor along dim 0, waited for."""
-    return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(tensor.contiguous(), "avg", world_size, group_name))
+    return wait(_c10d.reduce_scatter_tensor(tensor.contiguous(), "avg", world_size, group_name), group_name)
 
 
 def all_reduce_avg(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
     """Functional all-reduce (average over the group), waited for."""
-    return _c10d.wait_tensor(_c10d.all_reduce(tensor, "avg", group_name))
+    return wait(_c10d.all_reduce(tensor, "avg", group_name), group_name)
 
 
 def all_to_all_avg(tensor: torch.Tensor, reduce_dtype: torch.dtype, world_size: int, group_name: str) -> torch.Tensor:
@@ -78,7 +91,7 @@ def all_to_all_avg(tensor: torch.Tensor, reduce_dtype: torch.dtype, world_size: 
     equal for 2 ranks; for more, NCCL's ring may sum in another order (rounding of ``reduce_dtype`` only)."""
     part = tensor.numel() // world_size
     splits = [part] * world_size
-    parts = _c10d.wait_tensor(_c10d.all_to_all_single(tensor.contiguous(), splits, splits, group_name))
+    parts = wait(_c10d.all_to_all_single(tensor.contiguous(), splits, splits, group_name), group_name)
     return (parts.view(world_size, part).to(reduce_dtype) / world_size).sum(0)  # NCCL's avg: scale, then sum
 
 

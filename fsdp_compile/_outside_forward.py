@@ -1,6 +1,8 @@
-"""A full parameter read outside its unit's forward, after ``shard()``: reads work (the unit is gathered for them),
-in-place writes raise. FSDP2's habit of initialising after sharding (``nn.init.normal_(m.weight)``,
-``m.weight.copy_(w)``) would otherwise change the gathered copy, not the shard, and be lost without a word."""
+"""Full parameters read outside their unit's forward, after ``shard()``. Outside the model's forward a read raises
+(:func:`read_outside_forward_message`): it would be an all-gather on this rank alone. Inside the model's forward
+(another unit's code) and in ``summon_full_params(writeback=False)`` reads work and in-place writes raise
+(:func:`outside_forward`): FSDP2's habit of initialising after sharding (``nn.init.normal_(m.weight)``,
+``m.weight.copy_(w)``) would otherwise change a gathered copy, not the shard, and be lost without a word."""
 
 from __future__ import annotations
 
@@ -10,11 +12,31 @@ import torch
 
 from fsdp_compile._internals import no_torch_function_subclass
 
-__all__ = ["outside_forward"]
+__all__ = ["outside_forward", "read_outside_forward_message"]
+
+_INIT_FIX = (
+    "Initialise the parameters with fsdp_compile.init_parameters(model, init_fn=...) (init_fn sees full parameters, "
+    "and what it writes reaches the shards), load values with fsdp_compile.load_full_state_dict(model, state_dict) "
+    "or model.load_state_dict(...), or change them inside `with fsdp_compile.summon_full_params(model, "
+    "writeback=True):` on every rank"
+)
+
+
+def read_outside_forward_message(fqn: str) -> str:
+    return (
+        f"{fqn} was read outside the sharded model's forward: its full value is gathered from every rank, and a read "
+        "on one rank alone would wait for the others forever. Read or change full parameters inside `with "
+        "fsdp_compile.summon_full_params(model, writeback=...):` entered on every rank; save them with "
+        "fsdp_compile.full_state_dict(model); initialise them with fsdp_compile.init_parameters(model, init_fn=...) "
+        "(init_fn sees full parameters); load them with fsdp_compile.load_full_state_dict(model, state_dict) or "
+        "model.load_state_dict(...)"
+    )
 
 
 class _OutsideForward(torch.Tensor):
     fqn: str
+    where: str
+    fix: str
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
@@ -23,23 +45,26 @@ class _OutsideForward(torch.Tensor):
         written = kwargs.get("out") if isinstance(kwargs.get("out"), cls) else target if _writes(func) else None
         if isinstance(written, cls):
             raise RuntimeError(
-                f"in-place write ({getattr(func, '__name__', func)}) to {written.fqn} after fsdp_compile.shard(), "
-                "outside forward: it would change a gathered copy of the parameter, not this rank's shard, and be "
-                "lost. Initialise the parameters with fsdp_compile.init_parameters(model, init_fn=...) (init_fn "
-                "sees full parameters, and what it writes reaches the shards), or load values with "
-                "fsdp_compile.load_full_state_dict(model, state_dict) or model.load_state_dict(...)"
+                f"in-place write ({getattr(func, '__name__', func)}) to {written.fqn} {written.where}: it would change "
+                f"a gathered copy of the parameter, not this rank's shard, and be lost. {written.fix}"
             )
         with no_torch_function_subclass():
             result = func(*args, **kwargs)
         if isinstance(target, cls) and isinstance(result, torch.Tensor) and _aliases(result, target):
-            return outside_forward(result, target.fqn)  # a view (.data, .t(), w[0], .detach()): its writes too
+            return outside_forward(result, target.fqn, target.where, target.fix)  # a view (.data, .t(), w[0]): too
         return result
 
 
-def outside_forward(full: torch.Tensor, fqn: str) -> torch.Tensor:
-    """``full`` (parameter ``fqn``, gathered), as a tensor whose in-place writes, and its views', raise."""
+def outside_forward(
+    full: torch.Tensor,
+    fqn: str,
+    where: str = "after fsdp_compile.shard(), outside its unit's forward",
+    fix: str = _INIT_FIX,
+) -> torch.Tensor:
+    """``full`` (parameter ``fqn``, gathered), as a tensor whose in-place writes, and its views', raise, saying
+    ``where`` the write happened and how to ``fix`` it."""
     wrapped = full.as_subclass(_OutsideForward)
-    wrapped.fqn = fqn
+    wrapped.fqn, wrapped.where, wrapped.fix = fqn, where, fix
     return wrapped
 
 

@@ -7,8 +7,8 @@ docs/architecture.md."""
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable
-from typing import NamedTuple
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from fsdp_compile import _internals
 from fsdp_compile._eager import EagerUnit
 from fsdp_compile._internals import counters
 from fsdp_compile._layout import ParamSlot, UnitLayout, unit_label
-from fsdp_compile._outside_forward import outside_forward
+from fsdp_compile._outside_forward import outside_forward, read_outside_forward_message
 from fsdp_compile._ops import (
     GradReduction,
     all_gather_nograd,
@@ -28,6 +28,9 @@ from fsdp_compile._ops import (
     unshard,
 )
 from fsdp_compile._weak import weak_method
+
+if TYPE_CHECKING:
+    from fsdp_compile._watch import ModelWatch
 
 __all__ = ["Piece", "UnitState", "cut_pieces", "is_sharded", "register_units", "sharded_units", "unit_of_shard"]
 
@@ -99,12 +102,15 @@ class UnitState:
         self.eager = EagerUnit(
             weak_method(self.cast_all_gather_differentiable),
             weak_method(self.shard_version),
+            weak_method(self.backward_ran),
             reshard=self.world_size > 1 and reshard_after_forward,
         )
         """Eager mode (the unit's forward hooks and saved-tensor hooks). It calls back into this unit weakly: no
         cycle, so a deleted model is freed by reference counting ([Note: eager gather and reshard])."""
-        self.initializing: dict[int, torch.Tensor] | None = None
-        """Inside ``init_parameters``: the full parameters read so far by the current ``init_fn`` call, by offset."""
+        self.outside: Callable[[ParamSlot], torch.Tensor] | None = None
+        """Inside ``init_parameters`` or ``summon_full_params``: what reading a parameter gives (its full value)."""
+        self.watch: ModelWatch | None = None
+        """The model's :class:`~fsdp_compile._watch.ModelWatch` (whether its forward runs; its backward's progress)."""
         if self.trainable:
             self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
 
@@ -152,9 +158,11 @@ class UnitState:
         )
 
     def unshard_param(self, slot: ParamSlot) -> torch.Tensor:
-        """The full parameter ``slot``: a marker op under compile, a view of the gathered unit in eager (outside
-        the unit's forward, one whose in-place writes raise), inside ``init_parameters`` one whose writes reach
-        the shard. A parameter frozen at ``shard()`` that asks for a gradient now is refused (Dynamo guards on it)."""
+        """The full parameter ``slot``: a marker op under compile; in eager, a view of the gathered unit (inside the
+        model's forward but outside the unit's, gathered for the read, one whose in-place writes raise); inside
+        ``init_parameters`` or ``summon_full_params``, what they give. Outside the model's forward, a read raises: it
+        would be a collective on this rank alone. A parameter frozen at ``shard()`` that asks for a gradient now is
+        refused (Dynamo guards on it)."""
         if not self.trainable and self.piece(slot).param.requires_grad:
             raise RuntimeError(
                 f"{slot.names[0]} was frozen (requires_grad=False) when fsdp_compile.shard() ran and now requires a "
@@ -162,39 +170,28 @@ class UnitState:
             )
         if torch.compiler.is_compiling():
             return unshard(self.flat, self.accum, slot.offset, slot.numel, list(slot.shape), self.param_dtype)
-        if self.initializing is not None:
-            return self._full_for_init(slot)
+        if self.outside is not None:
+            return self.outside(slot)
         if self.flat.is_meta:
             raise RuntimeError(
                 f"{slot.names[0]} is on the meta device: allocate the shards with model.to_empty(device=...), then "
                 "fsdp_compile.init_parameters(model) (or load a checkpoint)"
             )
-        full = self.eager.param(slot.offset, slot.numel, slot.shape)
-        return outside_forward(full, slot.names[0]) if self.eager.gathered is None else full
+        if self.eager.gathered is not None:
+            return self.eager.param(slot.offset, slot.numel, slot.shape)
+        if self.watch is not None and not self.watch.depth:
+            raise RuntimeError(read_outside_forward_message(slot.names[0]))
+        return outside_forward(self.eager.param(slot.offset, slot.numel, slot.shape), slot.names[0])
 
     def piece(self, slot: ParamSlot) -> Piece:
         return self.pieces[self._slot_index[slot.offset]]
 
-    def _full_for_init(self, slot: ParamSlot) -> torch.Tensor:
-        """The full parameter for ``init_parameters``: zeros, but for this rank's part, the shard's value."""
-        assert self.initializing is not None
-        if slot.offset not in self.initializing:
-            piece = self.piece(slot).param
-            full = nn.Parameter(self.flat.new_zeros(slot.shape), requires_grad=piece.requires_grad)
-            with torch.no_grad():
-                self.local_part(slot, full).copy_(piece)
-            self.initializing[slot.offset] = full
-        return self.initializing[slot.offset]
-
     @torch.no_grad()
-    def keep_initialized(self) -> None:
-        """``init_parameters``: write this rank's part of each full parameter read since the last call to the shard,
-        and drop them."""
-        assert self.initializing is not None
+    def write_local_parts(self, full: Mapping[int, torch.Tensor]) -> None:
+        """Write this rank's part of each full parameter in ``full`` (by slot offset) to the shard."""
         for piece in self.pieces:
-            full = self.initializing.pop(piece.slot.offset, None)
-            if full is not None:
-                self.flat.detach()[piece.lo : piece.hi].copy_(self.local_part(piece.slot, full))
+            if piece.slot.offset in full:
+                self.flat.detach()[piece.lo : piece.hi].copy_(self.local_part(piece.slot, full[piece.slot.offset]))
 
     def materialize(self, empty: Callable[[torch.Tensor], torch.Tensor]) -> list[Piece]:
         """Give a flat shard on the meta device storage, ``empty(flat)`` (``module.to_empty``), and cut new
@@ -245,6 +242,7 @@ class UnitState:
     def _reduce_accumulated(self, accum: torch.Tensor) -> None:
         """Post-accumulate hook of ``accum``: on the micro-batch that syncs, reduce-scatter once (and average
         over the replicas)."""
+        self.backward_ran()
         if not self.requires_gradient_sync or accum.grad is None:
             return
         reduced = accum.grad
@@ -257,8 +255,13 @@ class UnitState:
         counters["fsdp_compile"]["accumulated_reduce_scatters"] += 1
         self._deliver(reduced.to(self.flat.dtype))
 
+    def backward_ran(self) -> None:
+        if self.watch is not None:
+            self.watch.backward_ran()
+
     def distribute_grad(self, flat: torch.Tensor) -> None:
         """Post-accumulate hook of the flat shard: hand each piece its slice, then clear ``flat.grad``."""
+        self.backward_ran()
         grad = flat.grad
         flat.grad = None
         if grad is not None:

@@ -1,0 +1,203 @@
+"""What a sharded model tells its process groups' failure channels (``fsdp_compile._channel``): each call of the
+model (its step), the exceptions that leave its forward or backward, a forward whose backward never completed.
+The sharded root's ``__call__`` runs outside Dynamo (every call, compiled or not, passes through it) and checks
+the channels before the model issues a collective: [Note: failures] in docs/architecture.md."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Iterable
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils._pytree import tree_leaves
+
+from fsdp_compile import _internals
+from fsdp_compile._channel import Channel, RankFailed, channel_of
+
+__all__ = ["ModelWatch", "WatchedBackward", "call_watched", "watch_of"]
+
+log = logging.getLogger(__name__)
+
+WATCH_ATTR = "_fsdp_compile_watch"
+"""On the module shard() was called on: its :class:`ModelWatch`."""
+_MESSAGE_CHARS = 300
+
+
+class ModelWatch:
+    """One sharded model on this rank, as its failure channels see it: ``step`` (its calls so far), whether a
+    forward runs (``depth``), and ``pending``: the step whose forward gave outputs that require a gradient and
+    whose backward has not completed yet."""
+
+    def __init__(self, groups: Iterable[dist.ProcessGroup], device: torch.device, units: dict[int, str]) -> None:
+        self.channels: list[Channel] = []
+        for group in groups:
+            if dist.get_backend(group) != "fake" and group not in [c._group() for c in self.channels]:
+                self.channels.append(channel_of(group, device))
+        for channel in self.channels:
+            channel.models.add(self)
+        self.units = units
+        """id(unit module) -> the unit's name: where an exception was raised."""
+        self.step = 0
+        self.depth = 0
+        self.pending: int | None = None
+        self.backward_started = False
+        self._callback_queued = False
+        self.thread = threading.get_ident()
+        self.summoned = False
+        """Inside ``summon_full_params``: a forward would read shards that the summoned parameters may change."""
+        self.summons = 0
+
+    # -- the calling thread ------------------------------------------------------------------------------------
+
+    def enter(self) -> None:
+        """Before the forward: the channels agree that this rank may go on (or raise :class:`RankFailed`)."""
+        if self.summoned:
+            raise RuntimeError(
+                "the sharded model was called inside fsdp_compile.summon_full_params(): the forward reads the shards, "
+                "which the summoned parameters may change at the exit. Call the model outside the with-block"
+            )
+        if self.depth == 0:
+            if self.pending is not None:
+                self._depart(self._without_backward())
+            for channel in self.channels:
+                channel.settle()
+            self.step += 1
+            self.thread = threading.get_ident()
+        self.depth += 1
+
+    def leave(self, error: BaseException | None, output: Any = None) -> None:
+        """After the forward: it raised ``error`` (the other ranks are told), or gave ``output``."""
+        self.depth -= 1
+        if self.depth:
+            return
+        self.pending = None
+        if error is not None:
+            self.failed(error, "forward")
+        elif any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)):
+            self.pending = self.step
+            self.backward_started = False
+
+    def failed(self, error: BaseException, phase: str) -> None:
+        """``error`` left this rank's ``phase`` ("forward", "backward"): tell the other ranks (not for an error that
+        a failure elsewhere caused)."""
+        if phase == "backward":
+            self.pending = None
+        if isinstance(error, RankFailed) or any(c.cause is not None for c in self.channels):
+            return
+        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+        unit = _unit_of(error.__traceback__, self.units)
+        self._depart(
+            f"raised {type(error).__name__}: {message[:_MESSAGE_CHARS]} (in the {phase} of step {self.step}"
+            + (f", unit {unit!r})" if unit else ")")
+        )
+
+    def _depart(self, reason: str) -> None:
+        for channel in self.channels:
+            channel.depart(reason)
+
+    def _without_backward(self) -> str:
+        if self.backward_started:
+            return (f"raised an exception in the backward of step {self.pending} (outside fsdp_compile's code: this "
+                    "rank's own error says which)")
+        log.warning(
+            "fsdp_compile: step %d ran its forward with gradients and no backward before the next forward: the ranks "
+            "check through the store that they all did so. Evaluate under torch.no_grad() to skip the check", self.step
+        )
+        return (f"did not complete a backward after the forward of step {self.pending} (it raised before reaching the "
+                "model's units: this rank's own error says which; or the next forward came first)")
+
+    # -- inside the backward -------------------------------------------------------------------------------------
+
+    def backward_ran(self) -> None:
+        """A unit's backward ran (called inside the autograd engine): completing this backward settles the step."""
+        self.backward_started = True
+        if not self._callback_queued:
+            self._callback_queued = True
+            _internals.queue_backward_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self.pending = None
+        self.backward_started = False
+        self._callback_queued = False
+
+    # -- the channels' watcher -----------------------------------------------------------------------------------
+
+    def where(self) -> str | None:
+        if self.depth:
+            return f"in the forward of step {self.step}"
+        if self.pending is not None and self.backward_started:
+            return f"in the backward of step {self.pending}"
+        return None
+
+    def poll(self) -> None:
+        """A backward that started and is no longer running without having completed raised: say so now, not at
+        the next forward (which may never come)."""
+        if self.pending is None or not self.backward_started or _internals.in_backward(self.thread):
+            return
+        if self.pending is not None and self.backward_started:  # read again: it may have completed meanwhile
+            self._depart(self._without_backward())
+
+
+def _unit_of(traceback: TracebackType | None, units: dict[int, str]) -> str | None:
+    """The innermost unit whose code the traceback passes through (eager code, or a compiled model's graph
+    breaks); None inside a compiled graph."""
+    found = None
+    while traceback is not None:
+        owner = traceback.tb_frame.f_locals.get("self")
+        if id(owner) in units:
+            found = units[id(owner)]
+        traceback = traceback.tb_next
+    return found
+
+
+class WatchedBackward:
+    """A compiled backward graph whose exceptions the models' failure channels hear of (a backward raises from
+    inside the autograd engine, past no other code of the library). Called as AOTAutograd calls compiled graphs
+    (boxed: one list of arguments); anything else is the wrapped graph's."""
+
+    def __init__(self, compiled: Any, watches: Iterable[ModelWatch]) -> None:
+        self.__wrapped__ = compiled
+        self._watches = weakref.WeakSet(watches)
+        self._boxed_call = True  # an instance's: AOTAutograd's wrappers copy the __dict__ (functools.wraps)
+
+    def __call__(self, args: list[Any]) -> Any:
+        for watch in list(self._watches):
+            watch.backward_ran()
+        try:
+            return self.__wrapped__(args) if getattr(self.__wrapped__, "_boxed_call", False) else self.__wrapped__(*args)
+        except BaseException as error:
+            for watch in list(self._watches):
+                watch.failed(error, "backward")
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "__wrapped__":  # not set yet
+            raise AttributeError(name)
+        return getattr(self.__wrapped__, name)
+
+
+def watch_of(module: nn.Module) -> ModelWatch | None:
+    return getattr(module, WATCH_ATTR, None)
+
+
+def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``__call__`` of a sharded root: the model's call, watched."""
+    watch: ModelWatch = getattr(module, WATCH_ATTR)
+    watch.enter()
+    try:
+        output = nn.Module.__call__(module, *args, **kwargs)
+    except BaseException as error:
+        watch.leave(error)
+        raise
+    watch.leave(None, output)
+    return output
+
+
+call_watched = torch.compiler.disable(_call, recursive=False)
+"""Run by Python, never traced: the call it makes (``Module.__call__``) is what ``torch.compile`` compiles."""
