@@ -44,7 +44,8 @@ def apply_shard(
     rank = dist.get_rank(group)
     # rank 0's values: across the replicas first, then within the shard group (global rank 0 reaches every rank)
     sync = [g for g in (replicate_group, group) if sync_module_states and g is not None and dist.get_world_size(g) > 1]
-    built = [_build_unit(module, unit, group, replicate_group, rank, sync) for unit in plan.units]
+    watch = _watch(module, plan, [g for g in (group, replicate_group) if g is not None and dist.get_world_size(g) > 1])
+    built = [_build_unit(module, unit, group, replicate_group, rank, sync, watch) for unit in plan.units]
     for buffer in module.buffers():
         if not buffer.is_meta:
             _broadcast_from_rank_0(buffer, sync)
@@ -64,7 +65,7 @@ def apply_shard(
         names = tuple(sorted(getattr(owner, SLOTS_ATTR, {})))
         owner.__class__ = _sharded_class(type(owner), names, root=owner is module)
     states = [state for state, _ in built]
-    _watch(module, states)
+    object.__setattr__(module, WATCH_ATTR, watch)
     register_units(module, states)
     _install_hooks(module, states)
     install_state_dict_hooks(module)
@@ -72,14 +73,11 @@ def apply_shard(
     return states
 
 
-def _watch(module: nn.Module, states: list[UnitState]) -> None:
-    """The model's :class:`ModelWatch` on its process groups' failure channels ([Note: failures])."""
-    fqns = {state.layout.fqn for state in states}
-    units = {id(module.get_submodule(fqn)): fqn for fqn in fqns if fqn}
-    watch = ModelWatch([g for state in states for g in state.groups], states[0].flat.device, units)
-    object.__setattr__(module, WATCH_ATTR, watch)
-    for state in states:
-        state.watch = watch
+def _watch(module: nn.Module, plan: ShardPlan, groups: list[dist.ProcessGroup]) -> ModelWatch:
+    """The model's :class:`ModelWatch` on the failure channels of ``groups`` ([Note: failures])."""
+    units = {id(module.get_submodule(unit.layout.fqn)): unit.layout.fqn for unit in plan.units if unit.layout.fqn}
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return ModelWatch(groups, device, units)
 
 
 def _install_hooks(module: nn.Module, states: list[UnitState]) -> None:
@@ -113,6 +111,7 @@ def _build_unit(
     replicate_group: dist.ProcessGroup | None,
     rank: int,
     sync: list[dist.ProcessGroup],
+    watch: ModelWatch,
 ) -> tuple[UnitState, list[nn.Parameter]]:
     """Copy this rank's chunk of the unit (rank 0's values, broadcast over ``sync``) into a new flat shard and cut
     one piece per parameter; return the unit and the parameters it replaces, in slot order."""
@@ -138,6 +137,7 @@ def _build_unit(
         reduce_dtype=unit.reduce_dtype,
         grad_reduction=unit.grad_reduction,
         reshard_after_forward=unit.reshard_after_forward,
+        watch=watch,
     )
     return state, params
 

@@ -111,7 +111,7 @@ def _user_settings(config: BackendConfig, mode: str | None, options: dict[str, A
     return settings
 
 
-def _inductor_inner_compile(settings: dict[str, Any], dump: Any, watches: Sequence[ModelWatch]) -> Callable[..., Any]:
+def _inductor_inner_compile(settings: dict[str, Any], dump: Any, watches: set[ModelWatch]) -> Callable[..., Any]:
     """compile_fx_inner for both graphs. The backward graph is compiled lazily, at the first backward,
     outside ``_compile``'s settings and dump folder, so they are patched in again here; it is watched (its
     exceptions reach the models' failure channels)."""
@@ -126,9 +126,7 @@ def _inductor_inner_compile(settings: dict[str, Any], dump: Any, watches: Sequen
     return inner_compile
 
 
-def _eager_compiler(
-    stage: debug.Stage, config: BackendConfig, gloo: bool, watches: Sequence[ModelWatch]
-) -> Callable[..., Any]:
+def _eager_compiler(stage: debug.Stage, config: BackendConfig, gloo: bool, watches: set[ModelWatch]) -> Callable:
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         debug.record(stage, gm)
         with _dump.dumping(config.dump):
@@ -261,7 +259,7 @@ def _compile_dumped(
 ) -> Callable[..., Any]:
     plan, config, states = _insert_collectives(gm, example_inputs, config)
     gloo = any(dist.get_backend(group) == "gloo" for state in states for group in state.groups)
-    watches = list({id(s.watch): s.watch for s in states if s.watch is not None}.values())
+    watches = {state.watch for state in states}
     settings = {**user_settings, **_inductor_settings(config, gloo)}
     if settings.get("triton.cudagraphs") and not lifetime.before_destroy("cuda_graphs", lifetime.release_cuda_graphs):
         debug.degraded(
@@ -281,9 +279,8 @@ def _compile_dumped(
     # The passes are also patched around compile_fx so that they are part of the cache keys (FX graph and
     # AOTAutograd caches): a graph compiled with other options is never reused.
     with inductor_config.patch(settings):
-        return _internals.compile_fx(
-            gm, example_inputs, inner_compile=_inductor_inner_compile(settings, config.dump, watches)
-        )
+        inner_compile = _inductor_inner_compile(settings, config.dump, watches)
+        return _internals.compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 
 def backend(**options: Any) -> Callable[..., Any]:

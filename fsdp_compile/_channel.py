@@ -9,9 +9,9 @@ The protocol, what is aborted and what a process is left with: [Note: failures] 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
-import queue
 import threading
 import time
 import weakref
@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 from fsdp_compile import _internals
+from fsdp_compile._internals import failures
 
-__all__ = ["Channel", "Departure", "RankFailed", "channel_named", "channel_of"]
+__all__ = ["BEAT_S", "Channel", "Departure", "RankFailed"]
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +52,7 @@ class RankFailed(RuntimeError):
 @dataclass(frozen=True)
 class Departure:
     """A rank that left a step early: ``rank`` (global), ``seq`` (collectives it had issued over the group then)
-    and ``reason`` (e.g. "raised ValueError('bad batch') in the forward of step 2, unit 'layers.1'")."""
+    and ``reason`` (e.g. "raised ValueError: bad batch (in the forward of step 2, unit 'layers.1')")."""
 
     rank: int
     seq: int
@@ -65,29 +66,10 @@ class Departure:
         return Departure(**json.loads(text))
 
 
-_channels: weakref.WeakKeyDictionary[dist.ProcessGroup, Channel] = weakref.WeakKeyDictionary()
-_lock = threading.Lock()
-
-
-def channel_of(group: dist.ProcessGroup, device: torch.device) -> Channel:
-    """The channel of ``group`` (a group of more than one rank with a store), made and watched at the first call."""
-    with _lock:
-        channel = _channels.get(group)
-        if channel is None:
-            channel = _channels[group] = Channel(group, device)
-        return channel
-
-
-def channel_named(group_name: str) -> Channel | None:
-    """The channel of the live group named ``group_name``, if it has one."""
-    with _lock:
-        return next((c for g, c in _channels.items() if c.group_name == group_name and _internals.group_alive(g)), None)
-
-
 class Channel:
     """One process group's failure channel on this rank: its departures, its heartbeat, and whether the group is
-    poisoned (``cause``: the departure every rank raises for). ``where`` says, for the heartbeat, what this rank
-    is doing (set by the models that run over the group)."""
+    poisoned (``cause``: the departure every rank raises for). ``models`` run over the group: the heartbeat says
+    ``where()`` they are, and the watcher has each ``poll()`` (a backward that ended without a word) every round."""
 
     def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
         self._group = weakref.ref(group)
@@ -99,35 +81,38 @@ class Channel:
         self.backend = dist.get_backend(group)
         self.timeout = _internals.group_timeout(group, device).total_seconds()
         self.epoch = 0
-        """The step-leaving round this rank is in: it advances when every rank left at the same place."""
+        """The round of departures this rank is in: it advances when every rank left a step at the same place."""
         self.cause: Departure | None = None
         self.waiting: int | None = None
-        """The collective (sequence number) the main thread waits for, if it waits."""
+        """The collective (sequence number) the main thread waits for, if it waits (``fsdp_compile._gloo_wait``)."""
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()
-        """The models that run over the group: the watcher asks each ``where()`` it is (for the heartbeat) and has
-        each ``poll()`` (a backward that ended without a word) every round."""
         self._departed: set[int] = set()
         self._lock = threading.Lock()
-        self._waits: queue.SimpleQueue[tuple[torch.Tensor, threading.Event, list[BaseException]]] | None = None
         self._beats_sent = 0
         self._unsettled = False
-        self._beat()
+        self.beat()
         threading.Thread(target=self._watch, name=f"fsdp_compile-watch-{self.group_name}", daemon=True).start()
 
-    # -- the main thread --------------------------------------------------------------------------------------
+    def alive(self) -> bool:
+        """Whether the group is still registered (not destroyed)."""
+        return (group := self._group()) is not None and failures.group_alive(group)
 
     def seq(self) -> int:
         group = self._group()
-        return -1 if group is None else _internals.group_sequence_number(group)
+        return -1 if group is None else failures.group_sequence_number(group)
 
-    def depart(self, reason: str, seq: int | None = None) -> None:
+    def where(self) -> str:
+        busy = [w for w in (model.where() for model in list(self.models)) if w is not None]
+        return busy[0] if busy else "outside the model"
+
+    def depart(self, reason: str) -> None:
         """Tell the other ranks that this rank left the current round's step early (once a round)."""
         with self._lock:
             if self.cause is not None or self.epoch in self._departed:
                 return
             self._departed.add(self.epoch)
             epoch = self.epoch
-        departure = Departure(dist.get_rank(), self.seq() if seq is None else seq, reason)
+        departure = Departure(dist.get_rank(), self.seq(), reason)
         log.warning("fsdp_compile: rank %d left a step early (group %s): %s", departure.rank, self.group_name, reason)
         self.store.append(f"{_PREFIX}left/{epoch}", departure.to_json() + "\n")
         self.store.add(f"{_PREFIX}events", 1)
@@ -137,11 +122,8 @@ class Channel:
         the current round's step, wait until every rank has left it at the same place (then go on) or one went
         further (then raise :class:`RankFailed`)."""
         self.check()
-        if self.epoch not in self._departed:
-            return
         start, pause = time.monotonic(), 0.001
-        while True:
-            self.check()
+        while self.epoch in self._departed:
             left = self._left(self.epoch)
             if len(left) == self.world_size and len({d.seq for d in left.values()}) == 1:
                 with self._lock:
@@ -149,23 +131,14 @@ class Channel:
                 return
             self._decide(left)
             if time.monotonic() - start > self.timeout:
-                self._poison(next(iter(left.values())), f"the other ranks did not follow within {self.timeout:.0f} s")
+                self._poison(min(left.values(), key=lambda d: d.rank), f"no decision within {self.timeout:.0f} s")
+            self.check()
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
 
     def check(self) -> None:
         if self.cause is not None:
             raise self.failure()
-
-    def waiting_for_this_rank(self) -> tuple[int, int, str] | None:
-        """(global rank, collective, where) of a rank that waits in a collective this rank has not issued, if any."""
-        mine = self.seq()
-        beats = self._beats([q for q in range(self.world_size) if q != self.rank])
-        waiting = [(q, b) for q, b in beats.items() if b["waiting"] is not None and b["seq"] > mine]
-        if not waiting:
-            return None
-        q, beat = waiting[0]
-        return self.global_ranks[q], beat["waiting"], beat["where"]
 
     def failure(self) -> RankFailed:
         """The error this rank raises for the group's poisoning departure."""
@@ -176,112 +149,84 @@ class Channel:
         return RankFailed(
             f"fsdp_compile: {who} {cause.reason}. Rank {me} cannot complete the collectives of process group "
             f"{self.group_name!r} any more: restart every rank from the last checkpoint (torchrun --max-restarts=N; "
-            "docs: README, Failures)",
+            "README: Failures)",
             rank=cause.rank,
             reason=cause.reason,
         )
 
-    def wait(self, tensor: torch.Tensor) -> torch.Tensor:
-        """``wait_tensor(tensor)`` for a collective of this group, given up with :class:`RankFailed` as soon as the
-        group is poisoned (gloo cannot abort an operation in flight: a helper thread waits for it instead)."""
-        self.check()
-        if self._waits is None:
-            self._waits = queue.SimpleQueue()
-            threading.Thread(target=self._wait_loop, name=f"fsdp_compile-wait-{self.group_name}", daemon=True).start()
-        done, error = threading.Event(), []
-        self.waiting = waited_for = self.seq()
-        self._waits.put((tensor, done, error))
-        try:
-            while not done.wait(_WAIT_POLL_S):
-                self.check()
-        finally:
-            self.waiting = None
-        if error:
-            self._explain(error[0], waited_for)
-        return tensor
+    def waiting_for_this_rank(self) -> tuple[int, int, str] | None:
+        """(global rank, collective, where) of a rank that waits in a collective this rank has not issued, if any."""
+        mine = self.seq()
+        waiting = [(q, b) for q, b in self._peer_beats().items() if b["waiting"] is not None and b["seq"] > mine]
+        return (self.global_ranks[waiting[0][0]], waiting[0][1]["waiting"], waiting[0][1]["where"]) if waiting else None
 
-    def _wait_loop(self) -> None:
-        assert self._waits is not None
-        while True:
-            tensor, done, error = self._waits.get()
-            try:
-                _internals.c10d_functional.wait_tensor(tensor)
-            except BaseException as e:  # handed to the waiting thread
-                error.append(e)
-            done.set()
-
-    def _explain(self, error: BaseException, waited_for: int) -> None:
-        """A collective failed: raise :class:`RankFailed` naming the rank to blame. A rank that is alive but never
-        issued the collective (the transport timed out) is named at once; a rank whose connection closed (it died)
-        once the watchers have found which (within ``DEAD_S``). The transport's own error where none is found."""
-        late = {q: b for q, b in self._beats([q for q in range(self.world_size) if q != self.rank]).items()
-                if b["seq"] < waited_for}
-        if late:
-            q, beat = min(late.items())
-            self._poison(Departure(self.global_ranks[q], beat["seq"], f"never issued collective #{waited_for} of the "
-                                   f"group: it issued {beat['seq']} and is {beat['where']}"), "a collective timed out")
-        deadline = time.monotonic() + DEAD_S + 4 * BEAT_S
+    def explain(self, error: BaseException, waited_for: int) -> None:
+        """A collective of the group (``waited_for``: its sequence number) failed: raise :class:`RankFailed` naming
+        the rank to blame, once the watchers found it (a rank that died: within ``DEAD_S``); a rank that is alive
+        and never issued it (the transport timed out) is blamed here. The transport's own error if none is found."""
+        first, deadline = self._peer_beats(), time.monotonic() + DEAD_S + 4 * BEAT_S
         while self.cause is None and time.monotonic() < deadline:
-            time.sleep(_WAIT_POLL_S)
+            time.sleep(2 * BEAT_S)
+            late = [(q, b) for q, b in self._peer_beats().items()
+                    if b["seq"] < waited_for and b["n"] not in (-1, first.get(q, {}).get("n"))]
+            if late and self.cause is None:
+                q, beat = late[0]
+                self._poison(Departure(self.global_ranks[q], beat["seq"], f"never issued collective #{waited_for} of "
+                                       f"the group (it issued {beat['seq']} and is {beat['where']})"), str(error))
         if self.cause is not None:
             raise self.failure() from error
         raise error
 
     # -- the watcher ------------------------------------------------------------------------------------------
 
-    def where(self) -> str:
-        busy = [w for w in (model.where() for model in list(self.models)) if w is not None]
-        return busy[0] if busy else "outside the model"
-
-    def _beat(self) -> None:
+    def beat(self, gone: bool = False) -> None:
+        """Write this rank's heartbeat; ``gone``: its last (the process ends, or destroyed the group)."""
         self._beats_sent += 1
-        beat = {"n": self._beats_sent, "seq": self.seq(), "waiting": self.waiting, "where": self.where()}
+        if gone:
+            beat = {"n": -1, "seq": -1, "waiting": None, "where": "gone: its process ended or destroyed the group"}
+        else:
+            beat = {"n": self._beats_sent, "seq": self.seq(), "waiting": self.waiting, "where": self.where()}
         self.store.set(f"{_PREFIX}beat/{self.rank}", json.dumps(beat))
 
     def _watch(self) -> None:
         events, next_beat = 0, time.monotonic() + BEAT_S
-        neighbour = (self.rank + 1) % self.world_size
-        last_seen: tuple[int, float] | None = None  # the neighbour's beat number, and when it last changed
+        neighbour = (self.rank + 1) % self.world_size  # a ring: every rank watched, at one read a beat
+        last: tuple[int, float] | None = None  # the neighbour's beat number, and when it last changed
         while self.cause is None:
-            group = self._group()
-            if group is None or not _internals.group_alive(group):
+            if not self.alive():
+                with contextlib.suppress(RuntimeError):
+                    self.beat(gone=True)
                 return
-            del group
             try:
-                now = time.monotonic()
-                if now >= next_beat:
-                    self._beat()
-                    next_beat = now + BEAT_S
-                    last_seen = self._watch_neighbour(neighbour, last_seen)
+                if time.monotonic() >= next_beat:
+                    self.beat()
+                    next_beat = time.monotonic() + BEAT_S
+                    last = self._watch_neighbour(neighbour, last)
                 for model in list(self.models):
                     model.poll()
-                changed = self.store.add(f"{_PREFIX}events", 0)
-                if changed != events or self._unsettled:
+                if (changed := self.store.add(f"{_PREFIX}events", 0)) != events or self._unsettled:
                     events = changed
                     self._read_poison()
-                    if self.cause is None:
-                        left = self._left(self.epoch)
-                        self._unsettled = bool(left)
-                        self._decide(left)
+                    left = self._left(self.epoch)
+                    self._unsettled = bool(left)
+                    self._decide(left)
             except RuntimeError as e:  # the store is gone (the process that served it died)
                 self._take(Departure(-1, -1, f"could not be reached: the process group's store failed ({e})"))
             time.sleep(POLL_S)
 
-    def _watch_neighbour(self, neighbour: int, last_seen: tuple[int, float] | None) -> tuple[int, float] | None:
-        """Each rank watches the next one's heartbeat (a ring: every rank is watched, at one read a beat)."""
+    def _watch_neighbour(self, neighbour: int, last: tuple[int, float] | None) -> tuple[int, float] | None:
         beat = self._beats([neighbour]).get(neighbour)
-        if beat is None:
-            return last_seen
-        now = time.monotonic()
-        if last_seen is None or beat["n"] != last_seen[0]:
-            return beat["n"], now
-        if now - last_seen[1] > DEAD_S:
-            self._poison(
-                Departure(self.global_ranks[neighbour], beat["seq"], f"stopped answering for {DEAD_S:.0f} s "
-                          f"(killed, out of host memory, or stopped; it was {beat['where']})"),
-                "its heartbeat stood still",
-            )
-        return last_seen
+        if beat is None or beat["n"] == -1:
+            return None
+        if last is None or beat["n"] != last[0]:
+            return beat["n"], time.monotonic()
+        if time.monotonic() - last[1] > DEAD_S:
+            reason = f"stopped answering for {DEAD_S:.0f} s (killed, out of host memory?; it was {beat['where']})"
+            self._poison(Departure(self.global_ranks[neighbour], beat["seq"], reason), "its heartbeat stood still")
+        return last
+
+    def _peer_beats(self) -> dict[int, dict[str, Any]]:
+        return self._beats([q for q in range(self.world_size) if q != self.rank])
 
     def _beats(self, ranks: list[int]) -> dict[int, dict[str, Any]]:
         keys = {q: f"{_PREFIX}beat/{q}" for q in ranks if self.store.check([f"{_PREFIX}beat/{q}"])}
@@ -290,23 +235,20 @@ class Channel:
 
     def _left(self, epoch: int) -> dict[int, Departure]:
         key = f"{_PREFIX}left/{epoch}"
-        if not self.store.check([key]):
-            return {}
-        lines = self.store.get(key).decode().splitlines()
-        departures = [Departure.from_json(line) for line in lines]
-        return {d.rank: d for d in departures}
+        lines = self.store.get(key).decode().splitlines() if self.store.check([key]) else []
+        return {d.rank: d for d in map(Departure.from_json, lines)}
 
     def _decide(self, left: dict[int, Departure]) -> None:
         """Poison the group if the ranks that left this round's step left at different places, or another rank went
         on past where they left (it waits, or will wait, in a collective they never issue)."""
-        if not left:
+        if not left or self.cause is not None:
             return
         first = min(left.values(), key=lambda d: (d.seq, d.rank))
         if len({d.seq for d in left.values()}) > 1:
             self._poison(first, "the ranks left the step at different places")
             return
-        stayed = [q for q in range(self.world_size) if self.global_ranks[q] not in left]
-        beats = self._beats([q for q in stayed if q != self.rank])
+        stayed = {q for q in range(self.world_size) if self.global_ranks[q] not in left}
+        beats = {q: b for q, b in self._beats(sorted(stayed - {self.rank})).items() if b["n"] != -1}
         if self.rank in stayed:
             beats[self.rank] = {"seq": self.seq(), "where": self.where()}
         ahead = [q for q, beat in beats.items() if beat["seq"] > first.seq]
@@ -314,7 +256,7 @@ class Channel:
             self._poison(first, f"rank {self.global_ranks[ahead[0]]} went on ({beats[ahead[0]]['where']})")
 
     def _poison(self, cause: Departure, why: str) -> None:
-        log.error("fsdp_compile: process group %s poisoned: rank %d %s; %s", self.group_name, cause.rank, cause.reason, why)
+        log.error("fsdp_compile: group %s poisoned: rank %d %s; %s", self.group_name, cause.rank, cause.reason, why)
         self.store.compare_set(f"{_PREFIX}poison", "", cause.to_json())
         self.store.add(f"{_PREFIX}events", 1)
         self._read_poison()
@@ -329,6 +271,5 @@ class Channel:
             if self.cause is not None:
                 return
             self.cause = cause
-        group = self._group()
-        if group is not None and self.backend == "nccl" and _internals.group_alive(group):
-            _internals.abort_group(group)
+        if (group := self._group()) is not None and self.backend == "nccl" and failures.group_alive(group):
+            failures.abort_group(group)

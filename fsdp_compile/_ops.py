@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 import torch
 
-from fsdp_compile._channel import channel_named
+from fsdp_compile import _gloo_wait
 from fsdp_compile._internals import c10d_functional as _c10d
 
 __all__ = [
@@ -61,10 +61,8 @@ def wait(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
     """``wait_tensor`` of a functional collective's output. Run eagerly over gloo, where a wait in flight cannot be
     aborted, the group's failure channel waits instead: a failure on another rank ends it (``RankFailed``).
     Traced (compiled graphs), it is ``wait_tensor`` itself."""
-    if type(tensor) is torch.Tensor and tensor.device.type == "cpu":
-        channel = channel_named(group_name)
-        if channel is not None and channel.backend == "gloo":
-            return channel.wait(tensor)
+    if type(tensor) is torch.Tensor and tensor.device.type == "cpu" and _gloo_wait.wait(tensor, group_name):
+        return tensor
     return _c10d.wait_tensor(tensor)
 
 

@@ -78,6 +78,7 @@ class UnitState:
         reduce_dtype: torch.dtype,
         grad_reduction: GradReduction,
         reshard_after_forward: bool,
+        watch: ModelWatch,
     ) -> None:
         self.layout = layout
         self._slot_index = {slot.offset: i for i, slot in enumerate(layout.slots)}
@@ -102,14 +103,14 @@ class UnitState:
         self.eager = EagerUnit(
             weak_method(self.cast_all_gather_differentiable),
             weak_method(self.shard_version),
-            weak_method(self.backward_ran),
+            weak_method(watch.backward_ran),
             reshard=self.world_size > 1 and reshard_after_forward,
         )
         """Eager mode (the unit's forward hooks and saved-tensor hooks). It calls back into this unit weakly: no
         cycle, so a deleted model is freed by reference counting ([Note: eager gather and reshard])."""
         self.outside: Callable[[ParamSlot], torch.Tensor] | None = None
         """Inside ``init_parameters`` or ``summon_full_params``: what reading a parameter gives (its full value)."""
-        self.watch: ModelWatch | None = None
+        self.watch = watch
         """The model's :class:`~fsdp_compile._watch.ModelWatch` (whether its forward runs; its backward's progress)."""
         if self.trainable:
             self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
@@ -179,7 +180,7 @@ class UnitState:
             )
         if self.eager.gathered is not None:
             return self.eager.param(slot.offset, slot.numel, slot.shape)
-        if self.watch is not None and not self.watch.depth:
+        if not self.watch.depth:
             raise RuntimeError(read_outside_forward_message(slot.names[0]))
         return outside_forward(self.eager.param(slot.offset, slot.numel, slot.shape), slot.names[0])
 
@@ -242,7 +243,7 @@ class UnitState:
     def _reduce_accumulated(self, accum: torch.Tensor) -> None:
         """Post-accumulate hook of ``accum``: on the micro-batch that syncs, reduce-scatter once (and average
         over the replicas)."""
-        self.backward_ran()
+        self.watch.backward_ran()
         if not self.requires_gradient_sync or accum.grad is None:
             return
         reduced = accum.grad
@@ -255,13 +256,9 @@ class UnitState:
         counters["fsdp_compile"]["accumulated_reduce_scatters"] += 1
         self._deliver(reduced.to(self.flat.dtype))
 
-    def backward_ran(self) -> None:
-        if self.watch is not None:
-            self.watch.backward_ran()
-
     def distribute_grad(self, flat: torch.Tensor) -> None:
         """Post-accumulate hook of the flat shard: hand each piece its slice, then clear ``flat.grad``."""
-        self.backward_ran()
+        self.watch.backward_ran()
         grad = flat.grad
         flat.grad = None
         if grad is not None:

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
-from fsdp_compile import _internals
-from fsdp_compile._channel import Channel, RankFailed, channel_of
+from fsdp_compile._internals import failures
+from fsdp_compile._channel import Channel, RankFailed
+from fsdp_compile._channels import channel_of
 
 __all__ = ["ModelWatch", "WatchedBackward", "call_watched", "watch_of"]
 
@@ -79,7 +79,7 @@ class ModelWatch:
         self.pending = None
         if error is not None:
             self.failed(error, "forward")
-        elif any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output)):
+        elif any(isinstance(t, torch.Tensor) and t.requires_grad for t in failures.tree_leaves(output)):
             self.pending = self.step
             self.backward_started = False
 
@@ -119,7 +119,7 @@ class ModelWatch:
         self.backward_started = True
         if not self._callback_queued:
             self._callback_queued = True
-            _internals.queue_backward_callback(self._backward_done)
+            failures.queue_backward_callback(self._backward_done)
 
     def _backward_done(self) -> None:
         self.pending = None
@@ -138,7 +138,7 @@ class ModelWatch:
     def poll(self) -> None:
         """A backward that started and is no longer running without having completed raised: say so now, not at
         the next forward (which may never come)."""
-        if self.pending is None or not self.backward_started or _internals.in_backward(self.thread):
+        if self.pending is None or not self.backward_started or failures.in_backward(self.thread):
             return
         if self.pending is not None and self.backward_started:  # read again: it may have completed meanwhile
             self._depart(self._without_backward())
@@ -169,8 +169,9 @@ class WatchedBackward:
     def __call__(self, args: list[Any]) -> Any:
         for watch in list(self._watches):
             watch.backward_ran()
+        compiled = self.__wrapped__
         try:
-            return self.__wrapped__(args) if getattr(self.__wrapped__, "_boxed_call", False) else self.__wrapped__(*args)
+            return compiled(args) if getattr(compiled, "_boxed_call", False) else compiled(*args)
         except BaseException as error:
             for watch in list(self._watches):
                 watch.failed(error, "backward")

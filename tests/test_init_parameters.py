@@ -172,13 +172,18 @@ def test_an_in_place_write_after_shard_raises_naming_init_parameters(fake_pg: No
     if compiled:
         run(tokens, tokens).backward()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    with pytest.raises(RuntimeError, match=r"in-place write .* after fsdp_compile.shard\(\), outside forward.*"
+    # Outside forward a full parameter is not even read (it would be an all-gather on this rank alone).
+    with pytest.raises(RuntimeError, match=r"was read outside the sharded model's forward.*summon_full_params.*"
                                            r"fsdp_compile.init_parameters\(model, init_fn=...\)"):
         HABITS[habit](model)
     assert_bitwise({name: p.detach() for name, p in model.named_parameters()}, before)
-    # Reads outside forward still work (a gathered copy).
-    assert model.layers[0].attention.wq.weight.shape == (LLAMA_TESTS.dim, LLAMA_TESTS.dim)
-    assert torch.isfinite(model.layers[0].attention.wq.weight.sum())
+    # Inside summon_full_params the reads work, and without writeback the same writes raise, naming writeback=True.
+    with fsdp_compile.summon_full_params(model):
+        assert model.layers[0].attention.wq.weight.shape == (LLAMA_TESTS.dim, LLAMA_TESTS.dim)
+        with pytest.raises(RuntimeError, match=r"in-place write .* inside fsdp_compile.summon_full_params\("
+                                               r"writeback=False\).*writeback=True"):
+            HABITS[habit](model)
+    assert_bitwise({name: p.detach() for name, p in model.named_parameters()}, before)
 
 
 def _meta_init_trains_like_the_reference(rank: int, world_size: int, cfg, compiler: str) -> None:

@@ -19,6 +19,8 @@ Shims, each where it is used:
   :func:`gloo_one_worker_thread`, for the multi-rank harness on CPU.
 * ``destroy_process_group()`` hangs while a CUDA graph that captured NCCL kernels lives, and has no hook:
   ``fsdp_compile._internals.lifetime``.
+* What the failure channels lean on (a group's collective count, aborting it, the autograd engine's callbacks):
+  ``fsdp_compile._internals.failures``.
 * Not torch's, detected the same way: the CUDA driver's stream calls (stream memory operations: barriers that
   hold no SM; peer copies and events at a few µs of host time each), ``fsdp_compile._internals.cuda_driver``.
 """
@@ -27,7 +29,6 @@ from __future__ import annotations
 
 import datetime
 import importlib
-import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -39,7 +40,7 @@ __all__ = [
     "COMPILE_AFRESH", "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
     "aot_autograd", "c10d_functional", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_ranks", "group_store",
-    "group_timeout", "group_alive", "group_sequence_number", "abort_group", "in_backward", "queue_backward_callback",
+    "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
     "list_mode_options", "make_boxed_func", "mark_static", "outside_fake_mode", "outside_graph_pools",
     "placeholder_source",
@@ -181,45 +182,6 @@ def group_timeout(group: Any, device: torch.device) -> datetime.timedelta:
         return group._get_backend(device).options._timeout  # type: ignore[no-any-return]
     except (AttributeError, RuntimeError):  # a backend without options: torch's default for every group
         return _need("torch.distributed.distributed_c10d", "default_pg_timeout")  # type: ignore[no-any-return]
-
-
-def group_sequence_number(group: Any) -> int:
-    """How many collectives this process has issued over ``group`` (c10d's sequence number). Ranks that run the
-    same program issue the same collectives: equal numbers are the same place in it."""
-    return group._get_sequence_number_for_group()  # type: ignore[no-any-return]
-
-
-def group_alive(group: Any) -> bool:
-    """Whether ``group`` is still registered (``destroy_process_group`` has not removed it)."""
-    return group in _need("torch.distributed.distributed_c10d", "_world").pg_names
-
-
-def abort_group(group: Any) -> bool:
-    """Abort ``group``'s pending collectives where its backend can (NCCL: the communicators abort, kernels waiting
-    for a peer return); False where it cannot (gloo: an operation in flight waits on)."""
-    if not hasattr(group, "abort"):
-        return False
-    group.abort()
-    return True
-
-
-_ENGINE_RUN_BACKWARD = _need("torch.autograd.graph", "_engine_run_backward").__code__
-
-
-def in_backward(thread_id: int) -> bool:
-    """Whether the thread ``thread_id`` is inside an autograd backward pass (``backward()``, ``autograd.grad``)."""
-    frame = sys._current_frames().get(thread_id)
-    while frame is not None:
-        if frame.f_code is _ENGINE_RUN_BACKWARD:
-            return True
-        frame = frame.f_back
-    return False
-
-
-def queue_backward_callback(callback: Callable[[], None]) -> None:
-    """Have the autograd engine call ``callback`` once the backward pass now running completes (not if it
-    raises). Call it from inside a backward pass (a hook, an autograd function)."""
-    torch.autograd.Variable._execution_engine.queue_callback(callback)
 
 
 def is_sharded_tensor(value: object) -> bool:

@@ -1,0 +1,68 @@
+"""The failure channels of this process (``fsdp_compile._channel``): one per process group a sharded model runs over,
+found by the group or by its name; and what the process does when it ends: an uncaught exception departs its
+groups' steps (the other ranks then raise at once, naming it), and a process that ends says so in its heartbeat
+(it is not taken for dead)."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import sys
+import threading
+import weakref
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from fsdp_compile._channel import Channel
+from fsdp_compile._internals import failures
+
+__all__ = ["channel_named", "channel_of"]
+
+
+_channels: weakref.WeakKeyDictionary[dist.ProcessGroup, Channel] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+
+def channel_of(group: dist.ProcessGroup, device: torch.device) -> Channel:
+    """The channel of ``group`` (a group of more than one rank with a store), made and watched at the first call."""
+    with _lock:
+        if not _channels:
+            _install_exit_hooks()
+        channel = _channels.get(group)
+        if channel is None:
+            channel = _channels[group] = Channel(group, device)
+        return channel
+
+
+def channel_named(group_name: str) -> Channel | None:
+    """The channel of the live group named ``group_name``, if it has one."""
+    with _lock:
+        return next((c for g, c in _channels.items() if c.group_name == group_name and failures.group_alive(g)), None)
+
+
+def _live_channels() -> list[Channel]:
+    with _lock:
+        return [c for g, c in _channels.items() if failures.group_alive(g)]
+
+
+def _install_exit_hooks() -> None:
+    """An uncaught exception ending the process departs its groups' steps (the others then raise at once, naming
+    it); a process that ends says so in its heartbeat (it is not taken for dead)."""
+    previous = sys.excepthook
+
+    def excepthook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
+        message = str(value).strip().splitlines()[0] if str(value).strip() else ""
+        for channel in _live_channels():
+            with contextlib.suppress(RuntimeError):  # the store may be gone too
+                channel.depart(f"exited: an uncaught {kind.__name__}: {message[:300]}")
+        previous(kind, value, traceback)
+
+    def goodbye() -> None:
+        for channel in _live_channels():
+            with contextlib.suppress(RuntimeError):
+                channel.beat(gone=True)
+
+    sys.excepthook = excepthook
+    atexit.register(goodbye)
