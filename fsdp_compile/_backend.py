@@ -27,7 +27,7 @@ from fsdp_compile._describe import units_json
 from fsdp_compile._internals import PassPipeline, counters, inductor_config, lifetime
 from fsdp_compile.config import BackendConfig
 from fsdp_compile._unit import UnitState
-from fsdp_compile._watch import ModelWatch, WatchedBackward
+from fsdp_compile._watch import ModelWatch, WatchedGraph
 from fsdp_compile.lowering.choose_route import RouteChoice, choose_route
 from fsdp_compile.lowering.interrupt_waits import InterruptWaits
 from fsdp_compile.lowering.lower_to_symm_mem import (
@@ -113,7 +113,7 @@ def _user_settings(config: BackendConfig, mode: str | None, options: dict[str, A
 
 def _inductor_inner_compile(settings: dict[str, Any], dump: Any, watches: set[ModelWatch]) -> Callable[..., Any]:
     """compile_fx_inner for both graphs. The backward graph is compiled lazily, at the first backward,
-    outside ``_compile``'s settings and dump folder, so they are patched in again here; it is watched (its
+    outside ``_compile``'s settings and dump folder, so they are patched in again here. Both are watched (their
     exceptions reach the models' failure channels)."""
 
     def inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
@@ -121,7 +121,7 @@ def _inductor_inner_compile(settings: dict[str, Any], dump: Any, watches: set[Mo
         debug.record("backward" if backward else "forward", gm)
         with inductor_config.patch(settings), _dump.dumping(dump):  # backward: compiled at its first call
             compiled = _internals.compile_fx_inner(gm, example_inputs, **kwargs)
-        return WatchedBackward(compiled, watches) if backward else compiled
+        return WatchedGraph(compiled, watches, "backward" if backward else "forward")
 
     return inner_compile
 
@@ -131,8 +131,7 @@ def _eager_compiler(stage: debug.Stage, config: BackendConfig, gloo: bool, watch
         debug.record(stage, gm)
         with _dump.dumping(config.dump):
             _post_grad_passes(config, gloo)(gm.graph)
-        compiled = _internals.make_boxed_func(gm.forward)
-        return WatchedBackward(compiled, watches) if stage == "backward" else compiled
+        return WatchedGraph(_internals.make_boxed_func(gm.forward), watches, stage)
 
     return compiler
 

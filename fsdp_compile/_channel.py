@@ -162,17 +162,25 @@ class Channel:
 
     def explain(self, error: BaseException, waited_for: int) -> None:
         """A collective of the group (``waited_for``: its sequence number) failed: raise :class:`RankFailed` naming
-        the rank to blame, once the watchers found it (a rank that died: within ``DEAD_S``); a rank that is alive
-        and never issued it (the transport timed out) is blamed here. The transport's own error if none is found."""
-        first, deadline = self._peer_beats(), time.monotonic() + DEAD_S + 4 * BEAT_S
-        while self.cause is None and time.monotonic() < deadline:
-            time.sleep(2 * BEAT_S)
-            late = [(q, b) for q, b in self._peer_beats().items()
-                    if b["seq"] < waited_for and b["n"] not in (-1, first.get(q, {}).get("n"))]
-            if late and self.cause is None:
-                q, beat = late[0]
-                self._poison(Departure(self.global_ranks[q], beat["seq"], f"never issued collective #{waited_for} of "
-                                       f"the group (it issued {beat['seq']} and is {beat['where']})"), str(error))
+        the rank to blame: one whose heartbeat stopped with its connection (it died), one that ended its process,
+        one that is alive and never issued the collective (the transport timed out); or that the watchers found.
+        The transport's own error if no rank is to blame within ``DEAD_S``."""
+        first, start = self._peer_beats(), time.monotonic()
+        while self.cause is None and time.monotonic() - start < DEAD_S:
+            time.sleep(BEAT_S)
+            beats = self._peer_beats()
+            gone = [(q, b) for q, b in beats.items() if b["n"] == -1]
+            died = [(q, b) for q, b in beats.items() if b["n"] == first.get(q, {}).get("n")]
+            late = [(q, b) for q, b in beats.items()
+                    if b["seq"] < waited_for and b["n"] not in (-1, first.get(q, {}).get("n"))]  # alive
+            for blamed, reason in ((gone, "ended its process, or destroyed the group"),
+                                   (died if time.monotonic() - start > 4 * BEAT_S else [], "died (its connection "
+                                    "closed and its heartbeat stopped: killed, out of host memory?)"),
+                                   (late, f"never issued collective #{waited_for} of the group")):
+                if blamed and self.cause is None:
+                    q, beat = blamed[0]
+                    self._poison(Departure(self.global_ranks[q], beat["seq"], f"{reason}; it was {beat['where']}"),
+                                 str(error).splitlines()[0])
         if self.cause is not None:
             raise self.failure() from error
         raise error

@@ -58,4 +58,5 @@ def _wait_loop(channel: weakref.ref[Channel], jobs: queue.SimpleQueue[_Job]) -> 
             _internals.c10d_functional.wait_tensor(tensor)
         except BaseException as e:  # handed to the waiting thread
             error.append(e)
+        del tensor  # not kept until the next job: a gathered unit is freed when its forward ends
         done.set()

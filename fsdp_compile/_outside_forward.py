@@ -6,13 +6,15 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
 
 from fsdp_compile._internals import no_torch_function_subclass
 
-__all__ = ["outside_forward", "read_outside_forward_message"]
+__all__ = ["outside_forward", "read_outside_forward"]
 
 _INIT_FIX = (
     "Initialise the parameters with fsdp_compile.init_parameters(model, init_fn=...) (init_fn sees full parameters, "
@@ -22,8 +24,23 @@ _INIT_FIX = (
 )
 
 
-def read_outside_forward_message(fqn: str) -> str:
-    return (
+def read_outside_forward(piece: torch.Tensor, fqn: str) -> torch.Tensor:
+    """A read of the full parameter ``fqn`` outside the model's forward: raise, saying how to read it. Except for
+    ``torch.distributed.checkpoint.state_dict``'s model helpers, which read every parameter by name only to map the
+    names (the values come from ``state_dict()``, sharded): they get this rank's ``piece``."""
+    caller = _dcp_caller()
+    if caller in ("get_model_state_dict", "set_model_state_dict"):
+        return piece
+    if caller is not None:
+        raise RuntimeError(
+            f"torch.distributed.checkpoint.state_dict.{caller}() does not know fsdp_compile's sharding: it would give "
+            "the optimizer's state as this rank's 1-D pieces, which DCP saves as if every rank held the same tensor "
+            "(and fails to load: 'Size mismatch'). Use model.state_dict() / model.load_state_dict() (or DCP's "
+            "get_model_state_dict / set_model_state_dict) for the model and fsdp_compile.sharded_optimizer_state_dict"
+            "(model, optimizer) / fsdp_compile.load_sharded_optimizer_state_dict(model, optimizer, state_dict) for the "
+            "optimizer; fsdp_compile.full_state_dict / full_optimizer_state_dict for full tensors"
+        )
+    raise RuntimeError(
         f"{fqn} was read outside the sharded model's forward: its full value is gathered from every rank, and a read "
         "on one rank alone would wait for the others forever. Read or change full parameters inside `with "
         "fsdp_compile.summon_full_params(model, writeback=...):` entered on every rank; save them with "
@@ -31,6 +48,19 @@ def read_outside_forward_message(fqn: str) -> str:
         "(init_fn sees full parameters); load them with fsdp_compile.load_full_state_dict(model, state_dict) or "
         "model.load_state_dict(...)"
     )
+
+
+_DCP_STATE_DICT = os.path.join("distributed", "checkpoint", "state_dict.py")
+
+
+def _dcp_caller() -> str | None:
+    """The public function of ``torch.distributed.checkpoint.state_dict`` on the stack (the outermost), if any."""
+    names, frame = [], sys._getframe(2)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith(_DCP_STATE_DICT) and frame.f_code.co_name.startswith(("get_", "set_")):
+            names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return names[-1] if names else None
 
 
 class _OutsideForward(torch.Tensor):

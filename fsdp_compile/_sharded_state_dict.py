@@ -160,7 +160,8 @@ def sharded_optimizer_state_dict(module: nn.Module, optimizer: torch.optim.Optim
     An optimizer without state yet gets one first (a step with zero gradients and learning rate 0), so that
     ``dcp.load`` has tensors to fill."""
     slots = _slots_by_name(module)
-    osd = _internals.get_optimizer_state_dict(module, optimizer, options=_internals.flat_optimizer_state())
+    with _reads_give_pieces(module):
+        osd = _internals.get_optimizer_state_dict(module, optimizer, options=_internals.flat_optimizer_state())
     return {key: _sharded(*slots[name], v) if (name := _state_param(key)) and _per_element(*slots[name], v) else v
             for key, v in osd.items()}
 
@@ -173,7 +174,22 @@ def load_sharded_optimizer_state_dict(
     slots = _slots_by_name(module)
     local = {key: _local(*slots[name], key, v) if (name := _state_param(key)) and _internals.is_sharded_tensor(v) else v
              for key, v in state_dict.items()}
-    _internals.set_optimizer_state_dict(module, optimizer, local, options=_internals.flat_optimizer_state())
+    with _reads_give_pieces(module):
+        _internals.set_optimizer_state_dict(module, optimizer, local, options=_internals.flat_optimizer_state())
+
+
+@contextmanager
+def _reads_give_pieces(module: nn.Module) -> Iterator[None]:
+    """DCP's state-dict helpers read every parameter by name, only to map the names: within, a read gives the piece
+    (no all-gather)."""
+    states = sharded_units(module)
+    for state in states:
+        state.outside = lambda slot, state=state: state.piece(slot).param
+    try:
+        yield
+    finally:
+        for state in states:
+            state.outside = None
 
 
 def _state_param(key: str) -> str | None:

@@ -18,7 +18,7 @@ from fsdp_compile import _internals
 from fsdp_compile._eager import EagerUnit
 from fsdp_compile._internals import counters
 from fsdp_compile._layout import ParamSlot, UnitLayout, unit_label
-from fsdp_compile._outside_forward import outside_forward, read_outside_forward_message
+from fsdp_compile._outside_forward import outside_forward, read_outside_forward
 from fsdp_compile._ops import (
     GradReduction,
     all_gather_nograd,
@@ -180,8 +180,8 @@ class UnitState:
             )
         if self.eager.gathered is not None:
             return self.eager.param(slot.offset, slot.numel, slot.shape)
-        if not self.watch.depth:
-            raise RuntimeError(read_outside_forward_message(slot.names[0]))
+        if not self.watch.depth:  # raises (DCP's model state-dict helpers, which read to map names, get the piece)
+            return read_outside_forward(self.piece(slot).param, slot.names[0])
         return outside_forward(self.eager.param(slot.offset, slot.numel, slot.shape), slot.names[0])
 
     def piece(self, slot: ParamSlot) -> Piece:

@@ -16,11 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_compile import _internals
 from fsdp_compile._internals import failures
 from fsdp_compile._channel import Channel, RankFailed
 from fsdp_compile._channels import channel_of
 
-__all__ = ["ModelWatch", "WatchedBackward", "call_watched", "watch_of"]
+__all__ = ["ModelWatch", "WatchedGraph", "call_watched", "watch_of"]
 
 log = logging.getLogger(__name__)
 
@@ -146,8 +147,11 @@ class ModelWatch:
 
 def _unit_of(traceback: TracebackType | None, units: dict[int, str]) -> str | None:
     """The innermost unit whose code the traceback passes through (eager code, or a compiled model's graph
-    breaks); None inside a compiled graph."""
+    breaks); None inside a compiled graph. Not the first frame, which handles the exception: reading its locals
+    (frozen into a dict the frame keeps) would tie the exception to itself, a cycle only the garbage collector
+    frees, and with it the failed forward's saved activations and gathered units."""
     found = None
+    traceback = None if traceback is None else traceback.tb_next
     while traceback is not None:
         owner = traceback.tb_frame.f_locals.get("self")
         if id(owner) in units:
@@ -156,25 +160,28 @@ def _unit_of(traceback: TracebackType | None, units: dict[int, str]) -> str | No
     return found
 
 
-class WatchedBackward:
-    """A compiled backward graph whose exceptions the models' failure channels hear of (a backward raises from
-    inside the autograd engine, past no other code of the library). Called as AOTAutograd calls compiled graphs
-    (boxed: one list of arguments); anything else is the wrapped graph's."""
+class WatchedGraph:
+    """A compiled forward or backward graph whose exceptions the models' failure channels hear of: a backward
+    raises from inside the autograd engine, past no other code of the library, and a model's call may be part of a
+    larger compiled function. Called as AOTAutograd calls compiled graphs (boxed: one list of arguments); anything
+    else is the wrapped graph's."""
 
-    def __init__(self, compiled: Any, watches: Iterable[ModelWatch]) -> None:
+    def __init__(self, compiled: Any, watches: Iterable[ModelWatch], phase: str) -> None:
         self.__wrapped__ = compiled
         self._watches = weakref.WeakSet(watches)
+        self._phase = phase
         self._boxed_call = True  # an instance's: AOTAutograd's wrappers copy the __dict__ (functools.wraps)
 
     def __call__(self, args: list[Any]) -> Any:
-        for watch in list(self._watches):
-            watch.backward_ran()
+        if self._phase == "backward":
+            for watch in list(self._watches):
+                watch.backward_ran()
         compiled = self.__wrapped__
         try:
             return compiled(args) if getattr(compiled, "_boxed_call", False) else compiled(*args)
         except BaseException as error:
             for watch in list(self._watches):
-                watch.failed(error, "backward")
+                watch.failed(error, self._phase)
             raise
 
     def __getattr__(self, name: str) -> Any:
@@ -188,7 +195,10 @@ def watch_of(module: nn.Module) -> ModelWatch | None:
 
 
 def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """``__call__`` of a sharded root: the model's call, watched."""
+    """``__call__`` of a sharded root: the model's call, watched. Traced as part of a larger compiled function, it
+    is the model's call alone (the compiled graphs tell the channels of their exceptions)."""
+    if torch.compiler.is_compiling():
+        return nn.Module.__call__(module, *args, **kwargs)
     watch: ModelWatch = getattr(module, WATCH_ATTR)
     watch.enter()
     try:
@@ -200,5 +210,5 @@ def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return output
 
 
-call_watched = torch.compiler.disable(_call, recursive=False)
-"""Run by Python, never traced: the call it makes (``Module.__call__``) is what ``torch.compile`` compiles."""
+call_watched = _internals.run_by_python(_call)
+"""Run by Python: the call it makes (``Module.__call__``) is what ``torch.compile(model)`` compiles."""

@@ -160,12 +160,13 @@ def _rank_1_dies(rank: int, world_size: int, compiled: bool) -> None:
     run(tokens[:, :-1], tokens[:, 1:]).backward()
     if rank == 1:
         os._exit(0)  # gone in the middle of training, without a word (exit code 0: the harness waits for rank 0)
-    # Rank 0's next collective fails at once, with gloo's word for it ("Connection closed by peer" or "reset
-    # by peer"; torch 2.13 adds "typically caused by a remote worker crashing. Check the logs of the remote
-    # worker", 2.11 does not).
+    # Rank 0's next collective fails at once (gloo: "Connection closed by peer"), and rank 0 raises naming rank 1
+    # once its heartbeat has stood still for a moment (the gloo error, as the cause, names the connection).
     start = time.monotonic()
-    with pytest.raises(RuntimeError, match="Connection (closed|reset) by peer"):
+    with pytest.raises(fsdp_compile.RankFailed, match=r"rank 1 died \(its connection closed and its heartbeat "
+                                                      r"stopped") as failure:
         run(tokens[:, :-1], tokens[:, 1:]).backward()
+    assert failure.value.rank == 1 and "Connection" in str(failure.value.__cause__)
     assert time.monotonic() - start < FAIL_WITHIN_S
     os._exit(0)  # no teardown: it would wait for rank 1 in a barrier
 

@@ -43,7 +43,7 @@ __all__ = [
     "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
     "list_mode_options", "make_boxed_func", "mark_static", "outside_fake_mode", "outside_graph_pools",
-    "placeholder_source",
+    "placeholder_source", "run_by_python",
     "min_cut_rematerialization_partition", "no_torch_function_subclass", "register_work", "run_observed",
     "set_optimizer_state_dict", "sharded_tensor", "trace_log", "trace_structured",
 ]
@@ -169,6 +169,15 @@ def outside_graph_pools(device: torch.device, allocate: Callable[[], T]) -> T:
 def register_work(tensor: torch.Tensor, work: Any) -> None:
     """Have ``wait_tensor(tensor)`` (the graph's wait) wait for ``work``, as for a functional collective's."""
     torch._C._distributed_c10d._register_work(tensor, work)
+
+
+def run_by_python(fn: Callable[..., T]) -> Callable[..., T]:
+    """``fn``, whose frames Dynamo leaves to Python when they are the first it meets, while it compiles the calls
+    ``fn`` makes: ``torch.compile(module)`` with ``fn`` as the module's ``__call__`` compiles what ``fn`` calls,
+    ``fullgraph=True`` included. Called from code Dynamo traces, ``fn`` is inlined (traced) like any function.
+    (``torch.compiler.disable(fn, recursive=False)`` wraps ``fn`` in a frame that breaks the graph at once.)"""
+    _need("torch._dynamo.eval_frame", "skip_code")(fn.__code__)
+    return fn
 
 
 def group_store(group: Any) -> Any:
