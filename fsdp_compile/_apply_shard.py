@@ -18,6 +18,7 @@ from torch import nn
 from fsdp_compile import _internals
 from fsdp_compile._agree import EagerFirstForward
 from fsdp_compile._optimizer_guard import mark_replaced, watch_optimizers
+from fsdp_compile._outside_forward import metadata_reads
 from fsdp_compile._plan_shard import ShardPlan, UnitPlan
 from fsdp_compile._sharded_state_dict import install_state_dict_hooks
 from fsdp_compile._unit import SLOTS_ATTR, UNITS_ATTR, UnitState, cut_pieces, register_units
@@ -239,6 +240,17 @@ def _pieces_hidden(modules: list[nn.Module]) -> Iterator[None]:
             m._parameters.update(params)
 
 
+def _metadata_repr(cls: type[nn.Module]) -> Any:
+    """The ``extra_repr`` of a sharded class: ``cls``'s, whose reads of parameters give their shape and dtype only
+    (printing the model needs no values, nor the other ranks)."""
+
+    def extra_repr(module: nn.Module) -> str:
+        with metadata_reads():
+            return cls.extra_repr(module)
+
+    return extra_repr
+
+
 def _param_property(name: str) -> property:
     def fget(module: nn.Module) -> torch.Tensor:
         state, slot = getattr(module, SLOTS_ATTR)[name]
@@ -258,6 +270,7 @@ def _sharded_class(cls: type[nn.Module], names: tuple[str, ...], *, root: bool) 
         props: dict[str, Any] = {name: _param_property(name) for name in names}
         props["__module__"] = cls.__module__
         props["_apply"] = _refuse_conversion(cls)
+        props["extra_repr"] = _metadata_repr(cls)
         if root:
             props["__call__"] = call_watched
         _SHARDED_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), props)

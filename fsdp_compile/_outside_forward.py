@@ -6,15 +6,17 @@
 
 from __future__ import annotations
 
-import os
-import sys
+import contextlib
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from fsdp_compile._callers import caller
 from fsdp_compile._internals import no_torch_function_subclass
 
-__all__ = ["outside_forward", "read_outside_forward"]
+__all__ = ["metadata_reads", "outside_forward", "read_outside_forward"]
 
 _INIT_FIX = (
     "Initialise the parameters with fsdp_compile.init_parameters(model, init_fn=...) (init_fn sees full parameters, "
@@ -24,16 +26,33 @@ _INIT_FIX = (
 )
 
 
-def read_outside_forward(piece: torch.Tensor, fqn: str) -> torch.Tensor:
-    """A read of the full parameter ``fqn`` outside the model's forward: raise, saying how to read it. Except for
-    ``torch.distributed.checkpoint.state_dict``'s model helpers, which read every parameter by name only to map the
-    names (the values come from ``state_dict()``, sharded): they get this rank's ``piece``."""
-    caller = _dcp_caller()
-    if caller in ("get_model_state_dict", "set_model_state_dict"):
+_reads = threading.local()
+
+
+@contextlib.contextmanager
+def metadata_reads() -> Iterator[None]:
+    """Within it (a sharded module's ``extra_repr``), a read outside forward gives a meta tensor of the parameter's
+    shape and dtype: printing a model (``RMSNorm((4096,))``) needs no values, nor the other ranks."""
+    _reads.metadata = True
+    try:
+        yield
+    finally:
+        _reads.metadata = False
+
+
+def read_outside_forward(piece: torch.Tensor, shape: tuple[int, ...], fqn: str) -> torch.Tensor:
+    """A read of the full parameter ``fqn`` (of ``shape``) outside the model's forward: raise, saying how to read it.
+    Except where no value is needed: in ``metadata_reads``, a meta tensor; in ``torch.distributed.checkpoint``'s
+    model state-dict helpers, which read every parameter only to map names (the values come from ``state_dict()``,
+    sharded), this rank's ``piece``."""
+    if getattr(_reads, "metadata", False):
+        return torch.empty(shape, dtype=piece.dtype, device="meta")
+    dcp = caller(("distributed", "checkpoint", "state_dict.py"), lambda name: name.startswith(("get_", "set_")))
+    if dcp in ("get_model_state_dict", "set_model_state_dict"):
         return piece
-    if caller is not None:
+    if dcp is not None:
         raise RuntimeError(
-            f"torch.distributed.checkpoint.state_dict.{caller}() does not know fsdp_compile's sharding: it would give "
+            f"torch.distributed.checkpoint.state_dict.{dcp}() does not know fsdp_compile's sharding: it would give "
             "the optimizer's state as this rank's 1-D pieces, which DCP saves as if every rank held the same tensor "
             "(and fails to load: 'Size mismatch'). Use model.state_dict() / model.load_state_dict() (or DCP's "
             "get_model_state_dict / set_model_state_dict) for the model and fsdp_compile.sharded_optimizer_state_dict"
@@ -48,19 +67,6 @@ def read_outside_forward(piece: torch.Tensor, fqn: str) -> torch.Tensor:
         "(init_fn sees full parameters); load them with fsdp_compile.load_full_state_dict(model, state_dict) or "
         "model.load_state_dict(...)"
     )
-
-
-_DCP_STATE_DICT = os.path.join("distributed", "checkpoint", "state_dict.py")
-
-
-def _dcp_caller() -> str | None:
-    """The public function of ``torch.distributed.checkpoint.state_dict`` on the stack (the outermost), if any."""
-    names, frame = [], sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_filename.endswith(_DCP_STATE_DICT) and frame.f_code.co_name.startswith(("get_", "set_")):
-            names.append(frame.f_code.co_name)
-        frame = frame.f_back
-    return names[-1] if names else None
 
 
 class _OutsideForward(torch.Tensor):

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_compile import _internals
+from fsdp_compile._callers import caller
 from fsdp_compile._layout import ParamSlot
 from fsdp_compile._unit import UnitState, sharded_units
 
@@ -115,9 +116,18 @@ def _slots_by_name(module: nn.Module, prefix: str = "") -> dict[str, tuple[UnitS
 
 
 def _to_sharded(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """State-dict post-hook of the sharded root: pieces -> ShardedTensors of the parameters' shapes."""
+    """State-dict post-hook of the sharded root: pieces -> ShardedTensors of the parameters' shapes. Refused to
+    Hugging Face's and peft's ``save_pretrained``, which would write ShardedTensors as tensors."""
     if getattr(_raw, "on", False):
         return
+    saver = caller(("transformers",), "save_pretrained".__eq__) or caller(("peft",), "save_pretrained".__eq__)
+    if saver is not None:
+        raise RuntimeError(
+            "save_pretrained() of a model sharded by fsdp_compile writes full tensors: pass them, "
+            "state_dict=fsdp_compile.full_state_dict(model, rank0_only=True) (on every rank, then save_pretrained on "
+            "rank 0; trainable_only=True for peft's adapters), or write the model with "
+            "fsdp_compile.save_safetensors(model, directory) on every rank"
+        )
     for key, (unit, slot) in _slots_by_name(module, prefix).items():
         if key in state_dict:
             state_dict[key] = _sharded(unit, slot, state_dict[key])

@@ -49,17 +49,36 @@ def summon_full_params(module: nn.Module, *, writeback: bool = False) -> Iterato
     for state in states:
         state.outside = lambda slot, params=full[state]: params[slot.offset]
     watch.summoned = True
-    completed = False
     try:
         yield
-        completed = True
     finally:
         watch.summoned = False
         for state in states:
             state.outside = None
-        if completed and writeback:
-            for state in states:
-                state.write_local_parts(full[state])
+        _keep_pieces(module, states)
+    if writeback:
+        for state in states:
+            state.write_local_parts(full[state])
+
+
+def _keep_pieces(module: nn.Module, states: list[UnitState]) -> None:
+    """Put back, and refuse, a parameter replaced inside the block (``module.weight = nn.Parameter(...)``, Hugging
+    Face's ``tie_weights``): the replacement would be cut off from the shards the model reads and trains."""
+    replaced = []
+    for state in states:
+        for piece in state.pieces:
+            for name in piece.slot.names:
+                owner_fqn, _, attr = name.rpartition(".")
+                owner = module.get_submodule(owner_fqn)
+                if owner._parameters.get(attr) is not piece.param:
+                    owner._parameters[attr] = piece.param
+                    replaced.append(name)
+    if replaced:
+        raise RuntimeError(
+            f"parameters {replaced[:5]} were replaced inside fsdp_compile.summon_full_params(): a sharded model keeps "
+            "its parameters (they are views of its shards). Change their values in place (with writeback=True), e.g. "
+            "`module.weight.copy_(value)` under torch.no_grad(); nothing was written back"
+        )
 
 
 def _gather(state: UnitState, writeback: bool) -> dict[int, torch.Tensor]:

@@ -8,6 +8,7 @@ the same on every rank and no recompilation happens when it is armed."""
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import multiprocessing
 import os
 import signal
@@ -22,28 +23,31 @@ from torch import nn
 
 from fsdp_compile.testing import dist as _dist
 
-__all__ = ["Fault", "FaultyBlock", "Outcome", "arm", "fault_point", "run_faulty", "set_step"]
+__all__ = ["Fault", "FaultyBlock", "Outcome", "arm", "fault_point", "mark_struck", "run_faulty", "set_step"]
 
 Kind = Literal["exception", "oom", "sigkill", "stop"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """``kind`` on global rank ``rank`` at the model's call ``step`` (see :func:`set_step`), in ``phase``. "stop": the
-    rank's training loop stops calling the model at that step (see :meth:`stops`)."""
+    """``kind`` on global rank ``rank`` (None: every rank) at the training loop's ``step`` (see :func:`set_step`), in
+    ``phase``. "stop": the rank's training loop stops calling the model at that step (see :meth:`stops`)."""
 
-    rank: int
+    rank: int | None
     step: int
     phase: Literal["forward", "backward"] = "forward"
     kind: Kind = "exception"
 
     def stops(self, step: int) -> bool:
         """Whether this rank's loop must stop calling the model at ``step``."""
-        return self.kind == "stop" and self.step == step and self.rank == dist.get_rank()
+        return self.kind == "stop" and self.step == step and self.rank in (None, dist.get_rank())
 
 
 _armed: list[Fault] = []
 _step = [0]
+_store: list[dist.Store] = []
+"""The store :func:`run_faulty` gave this rank: a fault says there when it struck."""
+STRUCK_KEY = "fsdp_compile_testing/struck"
 
 
 def arm(fault: Fault | None) -> None:
@@ -56,11 +60,18 @@ def set_step(step: int) -> None:
     _step[0] = step
 
 
+def mark_struck() -> None:
+    """Record now as the moment the fault struck, for a fault the test causes itself (``Outcome.after``)."""
+    if _store:
+        _store[0].set(STRUCK_KEY, repr(time.time()))
+
+
 def _strike(phase: str) -> None:
     fault = _armed[0] if _armed else None
-    if fault is None or (fault.phase, fault.step, fault.rank) != (phase, _step[0], dist.get_rank()):
+    if fault is None or (fault.phase, fault.step) != (phase, _step[0]) or fault.rank not in (None, dist.get_rank()):
         return
-    where = f"rank {fault.rank}, step {fault.step}, {phase}"
+    where = f"rank {dist.get_rank()}, step {fault.step}, {phase}"
+    mark_struck()
     if fault.kind == "sigkill":
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "oom":
@@ -109,33 +120,39 @@ class FaultyBlock(nn.Module):
 
 @dataclasses.dataclass(frozen=True)
 class Outcome:
-    """What a rank did: ``error`` (the type of what it raised, None if it finished) and its ``message``, when (wall
-    clock), or ``exit`` (its exit code where it died or was killed at the deadline)."""
+    """What a rank did: ``error`` (the type of what it raised, None if it finished) and its ``message``, ``after``
+    how many seconds since the fault struck (on any rank), or ``exit`` (its exit code where it died or was killed at
+    the deadline). ``blamed``: the rank a ``RankFailed`` names."""
 
     rank: int
     error: str | None = None
     message: str = ""
     at: float = 0.0
     exit: int | None = None
+    blamed: int | None = None
+    after: float | None = None
 
 
 def report(outcomes: Any, error: BaseException | None) -> None:
     """Send this rank's outcome to :func:`run_faulty` and leave at once: after a failure the process group may hold
     a collective that never completes, which a teardown would wait for."""
     message = "" if error is None else "".join(traceback.format_exception_only(error)).strip()
-    outcomes.put(Outcome(dist.get_rank(), None if error is None else type(error).__name__, message, time.time()))
+    kind = None if error is None else type(error).__name__
+    outcomes.put(Outcome(dist.get_rank(), kind, message, time.time(), blamed=getattr(error, "rank", None)))
     time.sleep(0.2)  # the queue's feeder thread sends it
     os._exit(0)
 
 
 def _rank(
-    rank: int, world_size: int, port: int, environ: dict[str, str], fn: Callable[..., Any], args: tuple[Any, ...],
-    outcomes: Any,
+    rank: int, world_size: int, port: int, environ: dict[str, str], timeout_s: float, fn: Callable[..., Any],
+    args: tuple[Any, ...], outcomes: Any,
 ) -> None:
     os.environ.clear()  # the caller's environment (a process forked from the server has the server's)
     os.environ.update(environ)
     _dist._configure(rank, "gloo")
-    dist.init_process_group("gloo", store=_dist._store(port, world_size), rank=rank, world_size=world_size)
+    _store[:] = [_dist._store(port, world_size)]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group("gloo", store=_store[0], rank=rank, world_size=world_size, timeout=timeout)
     try:
         fn(rank, world_size, *args)
     except BaseException as error:  # the rank's outcome
@@ -143,16 +160,20 @@ def _rank(
     report(outcomes, None)
 
 
-def run_faulty(fn: Callable[..., Any], world_size: int, *args: Any, limit_s: float = 120.0) -> dict[int, Outcome]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks, each a new process (forked from the fork server);
-    each rank's :class:`Outcome`: what ``fn`` raised and when, or that it finished; a rank still running after
-    ``limit_s`` seconds is killed and reported with its exit code, as is one that died."""
+def run_faulty(
+    fn: Callable[..., Any], world_size: int, *args: Any, limit_s: float = 180.0, timeout_s: float = 1800.0
+) -> dict[int, Outcome]:
+    """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (process group timeout ``timeout_s``), each a new
+    process (forked from the fork server); each rank's :class:`Outcome`: what ``fn`` raised and when, or that it
+    finished; a rank still running after ``limit_s`` seconds is killed and reported with its exit code, as is one
+    that died."""
     store = _dist._master_store(world_size)
     context = multiprocessing.get_context(_dist._start_method("gloo"))
     outcomes = context.SimpleQueue()
     processes = [
         context.Process(
-            target=_rank, args=(rank, world_size, store.port, dict(os.environ), fn, args, outcomes), daemon=True
+            target=_rank, args=(rank, world_size, store.port, dict(os.environ), timeout_s, fn, args, outcomes),
+            daemon=True,
         )
         for rank in range(world_size)
     ]
@@ -173,4 +194,6 @@ def run_faulty(fn: Callable[..., Any], world_size: int, *args: Any, limit_s: flo
         process.join()
         if rank not in results:
             results[rank] = Outcome(rank, exit=process.exitcode)
-    return results
+    struck = float(store.get(STRUCK_KEY)) if store.check([STRUCK_KEY]) else None
+    return {r: dataclasses.replace(o, after=None if struck is None or not o.at else o.at - struck)
+            for r, o in sorted(results.items())}
