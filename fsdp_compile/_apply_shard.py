@@ -7,6 +7,7 @@ Every unit is built before the module is touched, so nothing is half-changed if 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -240,6 +241,18 @@ def _pieces_hidden(modules: list[nn.Module]) -> Iterator[None]:
             m._parameters.update(params)
 
 
+def _own_forward(cls: type[nn.Module]) -> Any:
+    """``cls.forward`` (torch.nn's: an ``nn.Sequential``'s), defined here: ``torch.compile`` of a module whose forward
+    is torch's starts at a frame of its own that inlines the module's ``__call__``, so the watched ``__call__``
+    would be traced, not run."""
+
+    @functools.wraps(cls.forward)
+    def forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        return cls.forward(module, *args, **kwargs)
+
+    return forward
+
+
 def _metadata_repr(cls: type[nn.Module]) -> Any:
     """The ``extra_repr`` of a sharded class: ``cls``'s, whose reads of parameters give their shape and dtype only
     (printing the model needs no values, nor the other ranks)."""
@@ -273,5 +286,7 @@ def _sharded_class(cls: type[nn.Module], names: tuple[str, ...], *, root: bool) 
         props["extra_repr"] = _metadata_repr(cls)
         if root:
             props["__call__"] = call_watched
+            if cls.forward.__module__.startswith("torch."):  # nn.Sequential: see _own_forward
+                props["forward"] = _own_forward(cls)
         _SHARDED_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), props)
     return _SHARDED_CLASSES[key]

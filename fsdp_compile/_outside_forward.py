@@ -40,8 +40,9 @@ def metadata_reads() -> Iterator[None]:
         _reads.metadata = False
 
 
-def read_outside_forward(piece: torch.Tensor, shape: tuple[int, ...], fqn: str) -> torch.Tensor:
-    """A read of the full parameter ``fqn`` (of ``shape``) outside the model's forward: raise, saying how to read it.
+def read_outside_forward(piece: torch.Tensor, shape: tuple[int, ...], names: tuple[str, ...]) -> torch.Tensor:
+    """A read of the full parameter ``names`` (tied: several; of ``shape``) outside the model's forward: raise, saying
+    how to read it.
     Except where no value is needed: in ``metadata_reads``, a meta tensor; in ``torch.distributed.checkpoint``'s
     model state-dict helpers, which read every parameter only to map names (the values come from ``state_dict()``,
     sharded), this rank's ``piece``."""
@@ -59,8 +60,9 @@ def read_outside_forward(piece: torch.Tensor, shape: tuple[int, ...], fqn: str) 
             "(model, optimizer) / fsdp_compile.load_sharded_optimizer_state_dict(model, optimizer, state_dict) for the "
             "optimizer; fsdp_compile.full_state_dict / full_optimizer_state_dict for full tensors"
         )
+    tied = f" (tied: {', '.join(names[1:])})" if len(names) > 1 else ""
     raise RuntimeError(
-        f"{fqn} was read outside the sharded model's forward: its full value is gathered from every rank, and a read "
+        f"{names[0]}{tied} was read outside the sharded model's forward: its full value is gathered from every rank, and a read "
         "on one rank alone would wait for the others forever. Read or change full parameters inside `with "
         "fsdp_compile.summon_full_params(model, writeback=...):` entered on every rank; save them with "
         "fsdp_compile.full_state_dict(model); initialise them with fsdp_compile.init_parameters(model, init_fn=...) "

@@ -181,7 +181,7 @@ class UnitState:
         if self.eager.gathered is not None:
             return self.eager.param(slot.offset, slot.numel, slot.shape)
         if not self.watch.depth:  # raises (DCP's model state-dict helpers, which read to map names, get the piece)
-            return read_outside_forward(self.piece(slot).param, slot.shape, slot.names[0])
+            return read_outside_forward(self.piece(slot).param, slot.shape, slot.names)
         return outside_forward(self.eager.param(slot.offset, slot.numel, slot.shape), slot.names[0])
 
     def piece(self, slot: ParamSlot) -> Piece:

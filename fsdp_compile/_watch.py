@@ -66,11 +66,16 @@ class ModelWatch:
         if self.depth == 0:
             if self.pending is not None:
                 self._depart(self._without_backward())
-            for channel in self.channels:
-                channel.settle()
+            self.settle()
             self.step += 1
             self.thread = threading.get_ident()
         self.depth += 1
+
+    def settle(self) -> None:
+        """Before the model's next collectives: raise :class:`RankFailed` if a group is poisoned; if this rank left
+        a step early, wait for the others (``Channel.settle``)."""
+        for channel in self.channels:
+            channel.settle()
 
     def leave(self, error: BaseException | None, output: Any = None) -> None:
         """After the forward: it raised ``error`` (the other ranks are told), or gave ``output``."""
@@ -173,9 +178,11 @@ class WatchedGraph:
         self._boxed_call = True  # an instance's: AOTAutograd's wrappers copy the __dict__ (functools.wraps)
 
     def __call__(self, args: list[Any]) -> Any:
-        if self._phase == "backward":
-            for watch in list(self._watches):
+        for watch in list(self._watches):
+            if self._phase == "backward":
                 watch.backward_ran()
+            else:  # before the graph's collectives (a model traced into a larger function has no call of its own)
+                watch.settle()
         compiled = self.__wrapped__
         try:
             return compiled(args) if getattr(compiled, "_boxed_call", False) else compiled(*args)

@@ -1,5 +1,6 @@
 """Sharded state dicts with torch.distributed.checkpoint (DCP), FSDP2's way: save model.state_dict() and
-fsdp_compile.sharded_optimizer_state_dict() on 2 gloo ranks, load on 2, 3 and 1 (DCP reshards), bitwise;
+fsdp_compile.sharded_optimizer_state_dict() on 2 gloo ranks, load on 2, 3 (through DCP's get/set_model_state_dict)
+and 1 (DCP reshards), bitwise; DCP's helpers that cannot work are refused naming the way;
 training goes on bitwise-identically; a save killed midway leaves the previous checkpoint loadable; HSDP 2 x 2 on 4
 ranks saves and loads the same checkpoints."""
 
@@ -13,6 +14,13 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 import fsdp_compile
 from fsdp_compile.testing.dist import run_ranks, spawn_ranks
@@ -45,8 +53,14 @@ def _save(rank: int, world_size: int, checkpoint: str, reference: str, mesh: tup
 def _load(rank: int, world_size: int, checkpoint: str, reference: str, mesh: tuple[int, int] | None = None) -> None:
     model, compiled, opt = trained(seed=1, steps=1, mesh=mesh)  # other weights and optimizer state
     sharded = _sharded(model, opt)
+    dcp_helpers = world_size == 3  # the model's part through DCP's own helpers (FSDP2's habit): the same
+    if dcp_helpers:
+        sharded["model"] = get_model_state_dict(model)
     dcp.load(sharded, checkpoint_id=checkpoint)
-    model.load_state_dict(sharded["model"])
+    if dcp_helpers:
+        set_model_state_dict(model, sharded["model"])
+    else:
+        model.load_state_dict(sharded["model"])
     fsdp_compile.load_sharded_optimizer_state_dict(model, opt, sharded["optim"])
     ref = torch.load(reference, weights_only=True)
     assert_bitwise(_full(model, opt), ref["saved"])
@@ -119,3 +133,17 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint_loadable(tmp_path: 
     assert os.listdir(bad), "the killed save wrote nothing: no test"
     run_ranks(_load, 2, good, reference)
     run_ranks(_load_broken, 2, bad)
+
+
+def test_dcp_helpers_that_would_save_the_optimizers_pieces_as_replicated_name_the_way(fake_pg: None) -> None:
+    """DCP's get_state_dict / set_state_dict and its optimizer helpers (FSDP2's habit) would give the optimizer's state
+    as this rank's 1-D pieces, which DCP saves as replicated ('Size mismatch' at load): refused, naming the
+    functions to use. Its model helpers work (the round trip above on 3 ranks)."""
+    model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
+    opt = torch.optim.AdamW(model.parameters())
+    for call in (lambda: get_state_dict(model, opt), lambda: get_optimizer_state_dict(model, opt),
+                 lambda: set_state_dict(model, opt, model_state_dict={}, optim_state_dict={})):
+        with pytest.raises(RuntimeError, match=r"torch.distributed.checkpoint.state_dict.(get|set)_\w+\(\) does not "
+                                               r"know fsdp_compile's sharding.*fsdp_compile.sharded_optimizer_state_dict"):
+            call()
+    assert type(get_model_state_dict(model)["layers.0.attention.wq.weight"]).__name__ == "ShardedTensor"
