@@ -6,11 +6,11 @@ from ``fsdp_compile.testing.faults``: fresh ranks for each case, each waited for
 
 from __future__ import annotations
 
-import copy
 import time
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import fsdp_compile
@@ -30,12 +30,14 @@ def _model() -> nn.Module:
 
 
 def _batch(step: int, rank: int) -> torch.Tensor:
-    return torch.randn(4, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * step + rank))
+    x = torch.randn(4, DIM, dtype=torch.float64, generator=torch.Generator().manual_seed(100 * step + rank))
+    return x.cuda() if dist.get_backend() == "nccl" else x
 
 
 def _train(rank: int, world_size: int, compiler: str, fault: Fault) -> None:
-    """A training loop that skips a bad batch: it catches ``ValueError`` and goes on with the next step."""
-    model = fsdp_compile.shard(_model(), units=[FaultyBlock])
+    """A training loop that skips a bad batch: it catches ``ValueError`` (and an out-of-memory error: a long batch) and
+    goes on with the next step."""
+    model = fsdp_compile.shard(_model().to(_batch(0, 0).device), units=[FaultyBlock])
     run = model if compiler == "eager" else torch.compile(model, backend=fsdp_compile.backend(compiler=compiler))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     faults.arm(fault)
@@ -47,7 +49,7 @@ def _train(rank: int, world_size: int, compiler: str, fault: Fault) -> None:
             return
         try:
             run(_batch(step, rank)).sum().backward()
-        except ValueError:
+        except (ValueError, torch.OutOfMemoryError):
             opt.zero_grad()
             continue
         opt.step()
@@ -73,12 +75,13 @@ def _show(outcomes: dict[int, Outcome]) -> None:
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
-@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("world_size, kind", [(2, "exception"), (3, "oom")])
 def test_an_exception_on_one_rank_makes_every_rank_raise_within_seconds_naming_it(
-    world_size: int, compiler: str, phase: str
+    world_size: int, kind: str, compiler: str, phase: str
 ) -> None:
-    outcomes = run_faulty(_train, world_size, compiler, Fault(rank=1, step=2, phase=phase))
+    outcomes = run_faulty(_train, world_size, compiler, Fault(rank=1, step=2, phase=phase, kind=kind))
     _show(outcomes)
+    error = {"exception": "ValueError: injected: a bad batch", "oom": "OutOfMemoryError: injected: out of memory"}[kind]
     for rank, outcome in outcomes.items():
         assert outcome.error == "RankFailed" and outcome.blamed == 1, outcome
         assert outcome.after is not None and outcome.after < WITHIN_S, outcome
@@ -86,8 +89,8 @@ def test_an_exception_on_one_rank_makes_every_rank_raise_within_seconds_naming_i
         if compiler == "eager" and phase == "backward":  # raised by autograd outside the library's code
             assert f"fsdp_compile: {who} did not complete a backward after the forward of step 2" in outcome.message
         else:
-            assert f"fsdp_compile: {who} raised ValueError: injected: a bad batch (rank 1, step 2, {phase}) (in the " \
-                   f"{phase} of step 2" in outcome.message, outcome
+            assert f"fsdp_compile: {who} raised {error}" in outcome.message, outcome
+            assert f"(rank 1, step 2, {phase}) (in the {phase} of step 2" in outcome.message, outcome
         assert "restart every rank from the last checkpoint" in outcome.message
 
 
@@ -118,6 +121,19 @@ def test_a_rank_that_stops_calling_the_model_is_named_at_the_groups_timeout() ->
     assert outcomes[0].error == "RankFailed" and outcomes[0].blamed == 1, outcomes[0]
     assert "rank 1 never issued collective #" in outcomes[0].message and "outside the model" in outcomes[0].message
     assert TIMEOUT_S < outcomes[0].after < min(TIMEOUT_S + WITHIN_S, STOPPED_S), outcomes[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
+@pytest.mark.parametrize("phase", ["forward", "backward"])
+def test_on_nccl_the_group_is_aborted_and_every_rank_raises_naming_the_failed_one(phase: str) -> None:
+    """NCCL can abort a collective in flight: the watcher aborts the group's communicators (``ProcessGroup.abort``),
+    and the peer, whose host does not wait in collectives, raises at its next call of the model."""
+    outcomes = run_faulty(_train, 2, "inductor", Fault(rank=1, step=2, phase=phase), backend="nccl")
+    _show(outcomes)
+    for outcome in outcomes.values():
+        assert outcome.error == "RankFailed" and outcome.blamed == 1, outcome
+        assert outcome.after is not None and outcome.after < WITHIN_S, outcome
 
 
 class _BranchyBlock(FaultyBlock):

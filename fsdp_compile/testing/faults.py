@@ -144,15 +144,15 @@ def report(outcomes: Any, error: BaseException | None) -> None:
 
 
 def _rank(
-    rank: int, world_size: int, port: int, environ: dict[str, str], timeout_s: float, fn: Callable[..., Any],
-    args: tuple[Any, ...], outcomes: Any,
+    rank: int, world_size: int, port: int, backend: str, environ: dict[str, str], timeout_s: float,
+    fn: Callable[..., Any], args: tuple[Any, ...], outcomes: Any,
 ) -> None:
     os.environ.clear()  # the caller's environment (a process forked from the server has the server's)
     os.environ.update(environ)
-    _dist._configure(rank, "gloo")
+    _dist._configure(rank, backend)
     _store[:] = [_dist._store(port, world_size)]
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group("gloo", store=_store[0], rank=rank, world_size=world_size, timeout=timeout)
+    dist.init_process_group(backend, store=_store[0], rank=rank, world_size=world_size, timeout=timeout)
     try:
         fn(rank, world_size, *args)
     except BaseException as error:  # the rank's outcome
@@ -161,18 +161,20 @@ def _rank(
 
 
 def run_faulty(
-    fn: Callable[..., Any], world_size: int, *args: Any, limit_s: float = 180.0, timeout_s: float = 1800.0
+    fn: Callable[..., Any], world_size: int, *args: Any, limit_s: float = 180.0, timeout_s: float = 1800.0,
+    backend: Literal["gloo", "nccl"] = "gloo",
 ) -> dict[int, Outcome]:
-    """``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (process group timeout ``timeout_s``), each a new
-    process (forked from the fork server); each rank's :class:`Outcome`: what ``fn`` raised and when, or that it
-    finished; a rank still running after ``limit_s`` seconds is killed and reported with its exit code, as is one
-    that died."""
+    """``fn(rank, world_size, *args)`` on ``world_size`` ranks (gloo, or NCCL with GPU r for rank r; process group
+    timeout ``timeout_s``), each a new process (gloo: forked from the fork server); each rank's :class:`Outcome`:
+    what ``fn`` raised and when, or that it finished; a rank still running after ``limit_s`` seconds is killed and
+    reported with its exit code, as is one that died."""
     store = _dist._master_store(world_size)
-    context = multiprocessing.get_context(_dist._start_method("gloo"))
+    context = multiprocessing.get_context(_dist._start_method(backend))
     outcomes = context.SimpleQueue()
     processes = [
         context.Process(
-            target=_rank, args=(rank, world_size, store.port, dict(os.environ), timeout_s, fn, args, outcomes),
+            target=_rank,
+            args=(rank, world_size, store.port, backend, dict(os.environ), timeout_s, fn, args, outcomes),
             daemon=True,
         )
         for rank in range(world_size)
