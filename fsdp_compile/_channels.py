@@ -23,13 +23,17 @@ __all__ = ["channel_named", "channel_of"]
 
 _channels: weakref.WeakKeyDictionary[dist.ProcessGroup, Channel] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+_hooked = False
+"""Whether the exit hooks are installed (once a process, with the first channel)."""
 
 
 def channel_of(group: dist.ProcessGroup, device: torch.device) -> Channel:
     """The channel of ``group`` (a group of more than one rank with a store), made and watched at the first call."""
+    global _hooked
     with _lock:
-        if not _channels:
+        if not _hooked:
             _install_exit_hooks()
+            _hooked = True
         channel = _channels.get(group)
         if channel is None:
             channel = _channels[group] = Channel(group, device)

@@ -5,7 +5,6 @@ the channels before the model issues a collective: [Note: failures] in docs/arch
 
 from __future__ import annotations
 
-import logging
 import threading
 import weakref
 from collections.abc import Iterable
@@ -18,12 +17,11 @@ from torch import nn
 
 from fsdp_compile import _internals
 from fsdp_compile._internals import failures
-from fsdp_compile._channel import Channel, RankFailed
+from fsdp_compile._channel import RankFailed
 from fsdp_compile._channels import channel_of
+from fsdp_compile.debug import degraded
 
 __all__ = ["ModelWatch", "WatchedGraph", "call_watched", "watch_of"]
-
-log = logging.getLogger(__name__)
 
 WATCH_ATTR = "_fsdp_compile_watch"
 """On the module shard() was called on: its :class:`ModelWatch`."""
@@ -36,10 +34,7 @@ class ModelWatch:
     whose backward has not completed yet."""
 
     def __init__(self, groups: Iterable[dist.ProcessGroup], device: torch.device, units: dict[int, str]) -> None:
-        self.channels: list[Channel] = []
-        for group in groups:
-            if dist.get_backend(group) != "fake" and group not in [c._group() for c in self.channels]:
-                self.channels.append(channel_of(group, device))
+        self.channels = [channel_of(g, device) for g in dict.fromkeys(groups) if dist.get_backend(g) != "fake"]
         for channel in self.channels:
             channel.models.add(self)
         self.units = units
@@ -56,6 +51,7 @@ class ModelWatch:
 
     # -- the calling thread ------------------------------------------------------------------------------------
 
+    @torch.compiler.disable  # called by the watched __call__, whose callees Dynamo would otherwise look into
     def enter(self) -> None:
         """Before the forward: the channels agree that this rank may go on (or raise :class:`RankFailed`)."""
         if self.summoned:
@@ -77,6 +73,7 @@ class ModelWatch:
         for channel in self.channels:
             channel.settle()
 
+    @torch.compiler.disable
     def leave(self, error: BaseException | None, output: Any = None) -> None:
         """After the forward: it raised ``error`` (the other ranks are told), or gave ``output``."""
         self.depth -= 1
@@ -111,10 +108,9 @@ class ModelWatch:
         if self.backward_started:
             return (f"raised an exception in the backward of step {self.pending} (outside fsdp_compile's code: this "
                     "rank's own error says which)")
-        log.warning(
-            "fsdp_compile: step %d ran its forward with gradients and no backward before the next forward: the ranks "
-            "check through the store that they all did so. Evaluate under torch.no_grad() to skip the check", self.step
-        )
+        degraded("forward_without_backward", f"fsdp_compile: a forward (step {self.pending}) gave outputs that require a "
+                 "gradient, and the next forward came before their backward completed: the ranks check through the "
+                 "store that they all did so (a wait for the slowest). Evaluate under torch.no_grad()")
         return (f"did not complete a backward after the forward of step {self.pending} (it raised before reaching the "
                 "model's units: this rank's own error says which; or the next forward came first)")
 
