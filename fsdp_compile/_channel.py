@@ -179,8 +179,9 @@ class Channel:
                                    (late, f"never issued collective #{waited_for} of the group")):
                 if blamed and self.cause is None:
                     q, beat = blamed[0]
-                    self._poison(Departure(self.global_ranks[q], beat["seq"], f"{reason}; it was {beat['where']}"),
-                                 str(error).splitlines()[0])
+                    where = "" if beat["n"] == -1 else f"; it was {beat['where']}"
+                    blame = Departure(self.global_ranks[q], beat["seq"], reason + where)
+                    self._poison(blame, str(error).splitlines()[0])
         if self.cause is not None:
             raise self.failure() from error
         raise error

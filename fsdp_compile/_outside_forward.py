@@ -62,9 +62,9 @@ def read_outside_forward(piece: torch.Tensor, shape: tuple[int, ...], names: tup
         )
     tied = f" (tied: {', '.join(names[1:])})" if len(names) > 1 else ""
     raise RuntimeError(
-        f"{names[0]}{tied} was read outside the sharded model's forward: its full value is gathered from every rank, and a read "
-        "on one rank alone would wait for the others forever. Read or change full parameters inside `with "
-        "fsdp_compile.summon_full_params(model, writeback=...):` entered on every rank; save them with "
+        f"{names[0]}{tied} was read outside the sharded model's forward: its full value is gathered from every "
+        "rank, and a read on one rank alone would wait for the others forever. Read or change full parameters "
+        "inside `with fsdp_compile.summon_full_params(model, writeback=...):` entered on every rank; save them with "
         "fsdp_compile.full_state_dict(model); initialise them with fsdp_compile.init_parameters(model, init_fn=...) "
         "(init_fn sees full parameters); load them with fsdp_compile.load_full_state_dict(model, state_dict) or "
         "model.load_state_dict(...)"

@@ -108,8 +108,8 @@ class ModelWatch:
         if self.backward_started:
             return (f"raised an exception in the backward of step {self.pending} (outside fsdp_compile's code: this "
                     "rank's own error says which)")
-        degraded("forward_without_backward", f"fsdp_compile: a forward (step {self.pending}) gave outputs that require a "
-                 "gradient, and the next forward came before their backward completed: the ranks check through the "
+        degraded("forward_without_backward", f"fsdp_compile: a forward (step {self.pending}) gave outputs that require "
+                 "a gradient, and the next forward came before their backward completed: the ranks check through the "
                  "store that they all did so (a wait for the slowest). Evaluate under torch.no_grad()")
         return (f"did not complete a backward after the forward of step {self.pending} (it raised before reaching the "
                 "model's units: this rank's own error says which; or the next forward came first)")

@@ -17,7 +17,7 @@ from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama
 from fsdp_compile.testing.reference import assert_bitwise, reference_step, rel_error
 
-READ_OUTSIDE = r"was read outside the sharded model's forward: .*fsdp_compile.summon_full_params\(model, writeback=...\)"
+READ_OUTSIDE = r"was read outside the sharded model's forward: .*summon_full_params\(model, writeback=...\)"
 
 
 def _tokens(step: int, world_size: int) -> torch.Tensor:
