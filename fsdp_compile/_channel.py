@@ -34,8 +34,9 @@ BEAT_S = 0.5
 """How often a watcher writes its heartbeat (where this rank is: its collectives issued, the one it waits in)."""
 DEAD_S = 10.0
 """A rank whose heartbeat stands still this long is gone (killed, out of host memory): every rank raises."""
-_WAIT_POLL_S = 0.05
 _PREFIX = "fsdp_compile/failures/"
+watchers: set[threading.Thread] = set()
+"""The watcher threads still running (those of destroyed groups end within ``POLL_S``): joined as the process ends."""
 
 
 class RankFailed(RuntimeError):
@@ -90,8 +91,11 @@ class Channel:
         self._lock = threading.Lock()
         self._beats_sent = 0
         self._unsettled = False
+        self._closing = False
         self.beat()
-        threading.Thread(target=self._watch, name=f"fsdp_compile-watch-{self.group_name}", daemon=True).start()
+        self._watcher = threading.Thread(target=self._watch, name=f"fsdp_compile-watch-{self.group_name}", daemon=True)
+        watchers.add(self._watcher)
+        self._watcher.start()
 
     def alive(self) -> bool:
         """Whether the group is still registered (not destroyed)."""
@@ -197,15 +201,23 @@ class Channel:
             beat = {"n": self._beats_sent, "seq": self.seq(), "waiting": self.waiting, "where": self.where()}
         self.store.set(f"{_PREFIX}beat/{self.rank}", json.dumps(beat))
 
+    def close(self) -> None:
+        """The process ends: stop the watcher (a daemon thread that comes back from the store's C++ code while the
+        interpreter shuts down aborts the process), and say so in a last heartbeat."""
+        self._closing = True
+        self._watcher.join(timeout=4 * POLL_S)
+        if self.alive():
+            self.beat(gone=True)
+
     def _watch(self) -> None:
         events, next_beat = 0, time.monotonic() + BEAT_S
         neighbour = (self.rank + 1) % self.world_size  # a ring: every rank watched, at one read a beat
         last: tuple[int, float] | None = None  # the neighbour's beat number, and when it last changed
-        while self.cause is None:
+        while self.cause is None and not self._closing:
             if not self.alive():
                 with contextlib.suppress(RuntimeError):
                     self.beat(gone=True)
-                return
+                break
             try:
                 if time.monotonic() >= next_beat:
                     self.beat()
@@ -222,6 +234,7 @@ class Channel:
             except RuntimeError as e:  # the store is gone (the process that served it died)
                 self._take(Departure(-1, -1, f"could not be reached: the process group's store failed ({e})"))
             time.sleep(POLL_S)
+        watchers.discard(threading.current_thread())
 
     def _watch_neighbour(self, neighbour: int, last: tuple[int, float] | None) -> tuple[int, float] | None:
         beat = self._beats([neighbour]).get(neighbour)

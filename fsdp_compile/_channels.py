@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_compile._channel import Channel
+from fsdp_compile._channel import Channel, watchers
 from fsdp_compile._internals import failures
 
 __all__ = ["channel_named", "channel_of"]
@@ -66,7 +66,9 @@ def _install_exit_hooks() -> None:
     def goodbye() -> None:
         for channel in _live_channels():
             with contextlib.suppress(RuntimeError):
-                channel.beat(gone=True)
+                channel.close()
+        for thread in list(watchers):  # of destroyed groups: ending
+            thread.join(timeout=1.0)
 
     sys.excepthook = excepthook
     atexit.register(goodbye)
