@@ -125,20 +125,25 @@ def _soak(rank: int, world_size: int, steps: int, device: str) -> None:
     compiler = "inductor" if device == "cuda" else "aot_eager"
     trainer = _Trainer(rank, world_size, torch.optim.SGD, device, compiler)
     memory: dict[int, tuple[int, ...]] = {}
+    first_live: dict[int, tuple[Any, ...]] = {}  # id -> shape, dtype, is a view: the first count's tensors
     for step in range(steps):
         trainer.train(2, 8 - step % 3)  # three shapes: a dynamic graph, compiled in the first steps
         if step % (steps // 10) == steps // 10 - 1:
             trainer.evaluate(2, 8)
             gc.collect()
+            tensors = {id(o): (tuple(o.shape), o.dtype, o._base is not None) for o in gc.get_objects()
+                       if isinstance(o, torch.Tensor)}
+            first_live = first_live or tensors
             memory[step] = (
-                sum(isinstance(o, torch.Tensor) for o in gc.get_objects()),
+                len(tensors),
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,  # peak resident MiB (Linux: KiB)
                 *((torch.cuda.memory_allocated(), torch.cuda.max_memory_allocated()) if device == "cuda" else ()),
             )
     first, last = memory[min(memory)], memory[max(memory)]
     # From the first tenth on, nothing accumulates: the same live tensors (and CUDA memory, allocated and
     # peak), the peak resident memory within 64 MiB.
-    assert (first[0], *first[2:]) == (last[0], *last[2:]) and last[1] - first[1] < 64, memory
+    new = [v for k, v in tensors.items() if k not in first_live]  # named in the failure: what stayed alive
+    assert (first[0], *first[2:]) == (last[0], *last[2:]) and last[1] - first[1] < 64, (memory, new[:8])
     assert trainer.backend.graphs <= 4, trainer.backend.graphs
     trainer.check_parameters(rtol=1e-12 if device == "cpu" else 1e-10)
 
