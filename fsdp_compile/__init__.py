@@ -6,7 +6,7 @@
 
 from fsdp_compile._agree import RanksDisagree
 from fsdp_compile._backend import backend
-from fsdp_compile._channel import RankFailed
+from fsdp_compile._departure import RankFailed
 from fsdp_compile._clip_grad_norm import clip_grad_norm_
 from fsdp_compile._describe import ShardingSummary, describe, sync_buffers
 from fsdp_compile._init_parameters import init_parameters

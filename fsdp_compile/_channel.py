@@ -15,16 +15,16 @@ import logging
 import threading
 import time
 import weakref
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from fsdp_compile import _internals
+from fsdp_compile._departure import Departure, RankFailed
 from fsdp_compile._internals import failures
 
-__all__ = ["BEAT_S", "Channel", "Departure", "RankFailed"]
+__all__ = ["BEAT_S", "Channel", "helper_waits", "watchers"]
 
 log = logging.getLogger(__name__)
 
@@ -37,34 +37,8 @@ DEAD_S = 10.0
 _PREFIX = "fsdp_compile/failures/"
 watchers: set[threading.Thread] = set()
 """The watcher threads still running (those of destroyed groups end within ``POLL_S``): joined as the process ends."""
-
-
-class RankFailed(RuntimeError):
-    """A rank of a process group that a sharded model runs over failed or stopped, so the model's collectives can
-    no longer complete. ``rank``: that rank (global); ``reason``: what it said (its exception, where, which step).
-    The group cannot be used any more: restart every rank from the last checkpoint."""
-
-    def __init__(self, message: str, *, rank: int, reason: str) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.reason = reason
-
-
-@dataclass(frozen=True)
-class Departure:
-    """A rank that left a step early: ``rank`` (global), ``seq`` (collectives it had issued over the group then)
-    and ``reason`` (e.g. "raised ValueError: bad batch (in the forward of step 2, unit 'layers.1')")."""
-
-    rank: int
-    seq: int
-    reason: str
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self))
-
-    @staticmethod
-    def from_json(text: str | bytes) -> Departure:
-        return Departure(**json.loads(text))
+helper_waits: set[str] = set()
+"""The groups (by name) whose gloo collective a helper thread waits for now (``fsdp_compile._gloo_wait``)."""
 
 
 class Channel:
@@ -128,14 +102,18 @@ class Channel:
         self.check()
         start, pause = time.monotonic(), 0.001
         while self.epoch in self._departed:
-            left = self._left(self.epoch)
-            if len(left) == self.world_size and len({d.seq for d in left.values()}) == 1:
-                with self._lock:
-                    self.epoch += 1
-                return
-            self._decide(left)
-            if time.monotonic() - start > self.timeout:
-                self._poison(min(left.values(), key=lambda d: d.rank), f"no decision within {self.timeout:.0f} s")
+            try:
+                self._read_poison()
+                left = self._left(self.epoch)
+                if self.cause is None and len(left) == self.world_size and len({d.seq for d in left.values()}) == 1:
+                    with self._lock:
+                        self.epoch += 1
+                    return
+                self._decide(left)
+                if time.monotonic() - start > self.timeout:
+                    self._poison(min(left.values(), key=lambda d: d.rank), f"no decision within {self.timeout:.0f} s")
+            except RuntimeError as e:
+                self._lost_store(e)
             self.check()
             time.sleep(pause)
             pause = min(2 * pause, 0.05)
@@ -149,9 +127,9 @@ class Channel:
         cause = self.cause
         assert cause is not None
         me = dist.get_rank()
-        who = "this rank" if cause.rank == me else f"rank {cause.rank}"
+        who = "this rank " if cause.rank == me else "" if cause.rank == -1 else f"rank {cause.rank} "
         return RankFailed(
-            f"fsdp_compile: {who} {cause.reason}. Rank {me} cannot complete the collectives of process group "
+            f"fsdp_compile: {who}{cause.reason}. Rank {me} cannot complete the collectives of process group "
             f"{self.group_name!r} any more: restart every rank from the last checkpoint (torchrun --max-restarts=N; "
             "README: Failures)",
             rank=cause.rank,
@@ -169,6 +147,15 @@ class Channel:
         the rank to blame: one whose heartbeat stopped with its connection (it died), one that ended its process,
         one that is alive and never issued the collective (the transport timed out); or that the watchers found.
         The transport's own error if no rank is to blame within ``DEAD_S``."""
+        try:
+            self._blame(error, waited_for)
+        except RuntimeError as e:
+            self._lost_store(e)
+        if self.cause is not None:
+            raise self.failure() from error
+        raise error
+
+    def _blame(self, error: BaseException, waited_for: int) -> None:
         first, start = self._peer_beats(), time.monotonic()
         while self.cause is None and time.monotonic() - start < DEAD_S:
             time.sleep(BEAT_S)
@@ -186,9 +173,11 @@ class Channel:
                     where = "" if beat["n"] == -1 else f"; it was {beat['where']}"
                     blame = Departure(self.global_ranks[q], beat["seq"], reason + where)
                     self._poison(blame, str(error).splitlines()[0])
-        if self.cause is not None:
-            raise self.failure() from error
-        raise error
+
+    def _lost_store(self, error: RuntimeError) -> None:
+        """The group's store failed: the process that served it ended (rank 0's, or torchrun's agent)."""
+        reason = f"the process group's store could not be reached (the process that served it ended?): {error}"
+        self._take(Departure(-1, -1, reason.splitlines()[0]))
 
     # -- the watcher ------------------------------------------------------------------------------------------
 
@@ -232,7 +221,7 @@ class Channel:
                     self._unsettled = bool(left)
                     self._decide(left)
             except RuntimeError as e:  # the store is gone (the process that served it died)
-                self._take(Departure(-1, -1, f"could not be reached: the process group's store failed ({e})"))
+                self._lost_store(e)
             time.sleep(POLL_S)
         watchers.discard(threading.current_thread())
 

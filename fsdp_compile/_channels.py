@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
+import os
 import sys
 import threading
 import weakref
@@ -15,10 +17,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_compile._channel import Channel, watchers
+from fsdp_compile._channel import Channel, helper_waits, watchers
 from fsdp_compile._internals import failures
 
 __all__ = ["channel_named", "channel_of"]
+
+log = logging.getLogger(__name__)
 
 
 _channels: weakref.WeakKeyDictionary[dist.ProcessGroup, Channel] = weakref.WeakKeyDictionary()
@@ -69,6 +73,24 @@ def _install_exit_hooks() -> None:
                 channel.close()
         for thread in list(watchers):  # of destroyed groups: ending
             thread.join(timeout=1.0)
+        if helper_waits:
+            _end_now(sorted(helper_waits))
 
     sys.excepthook = excepthook
     atexit.register(goodbye)
+
+
+def _end_now(group_names: list[str]) -> None:
+    """End the process now, with exit code 1: a helper thread waits in gloo for a collective that the failure left
+    unfinished, and when a peer's process ends that wait returns; during the interpreter's shutdown, a thread coming
+    back from C++ code aborts the process (Python before 3.14: "terminate called without an active exception").
+    The exit handlers registered before fsdp_compile's (registered by the first ``shard()`` of a
+    multi-rank model) do not
+    run."""
+    log.warning("fsdp_compile: ending the process (exit code 1) without the rest of the interpreter's shutdown: a "
+                "collective of process group %s is unfinished (README: Failures)", ", ".join(group_names))
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # closed, or replaced by an object without flush
+            stream.flush()
+    os._exit(1)

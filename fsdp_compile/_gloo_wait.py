@@ -12,7 +12,7 @@ import weakref
 import torch
 
 from fsdp_compile import _internals
-from fsdp_compile._channel import Channel
+from fsdp_compile._channel import Channel, helper_waits
 from fsdp_compile._channels import channel_named
 
 __all__ = ["wait"]
@@ -31,7 +31,7 @@ def wait(tensor: torch.Tensor, group_name: str) -> bool:
     channel.check()
     if channel not in _queues:
         _queues[channel] = queue.SimpleQueue()
-        threading.Thread(target=_wait_loop, args=(weakref.ref(channel), _queues[channel]), daemon=True,
+        threading.Thread(target=_wait_loop, args=(weakref.ref(channel), _queues[channel], group_name), daemon=True,
                          name=f"fsdp_compile-wait-{group_name}").start()
     done, error = threading.Event(), []
     channel.waiting = waited_for = channel.seq()
@@ -46,17 +46,20 @@ def wait(tensor: torch.Tensor, group_name: str) -> bool:
     return True
 
 
-def _wait_loop(channel: weakref.ref[Channel], jobs: queue.SimpleQueue[_Job]) -> None:
-    """The helper thread: ``wait_tensor`` of each job, until the group is gone."""
+def _wait_loop(channel: weakref.ref[Channel], jobs: queue.SimpleQueue[_Job], group_name: str) -> None:
+    """The helper thread: ``wait_tensor`` of each job, until the group is gone. While it waits, the group is in
+    ``helper_waits``: a process that ends then ends at once (``fsdp_compile._channels``)."""
     while (alive := channel()) is not None and alive.alive():
         del alive
         try:
             tensor, done, error = jobs.get(timeout=1.0)
         except queue.Empty:
             continue
+        helper_waits.add(group_name)
         try:
             _internals.c10d_functional.wait_tensor(tensor)
         except BaseException as e:  # handed to the waiting thread
             error.append(e)
+        helper_waits.discard(group_name)
         del tensor  # not kept until the next job: a gathered unit is freed when its forward ends
         done.set()

@@ -17,7 +17,7 @@ from torch import nn
 
 from fsdp_compile import _internals
 from fsdp_compile._internals import failures
-from fsdp_compile._channel import RankFailed
+from fsdp_compile._departure import RankFailed
 from fsdp_compile._channels import channel_of
 from fsdp_compile.debug import degraded
 

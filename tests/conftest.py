@@ -31,13 +31,17 @@ LONGEST_FIRST = ("test_finetune.py", "test_parity.py", "test_codegen.py", "test_
                  "test_schedule.py", "test_plan_memory.py", "test_dcp.py", "test_recompiles.py")
 
 
+RANK_RUNNERS = ("run_ranks(", "spawn_ranks(", "run_faulty(")
+"""How a test that runs ranks of its own starts them."""
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark ``ranks`` every test that runs ranks of its own (``run_ranks`` / ``spawn_ranks``), as read from its
-    source: ``tests/repeat_ranks.sh`` runs them again and again, to find the flaky ones. Order the files
-    ``LONGEST_FIRST`` (a file's tests keep their order)."""
+    """Mark ``ranks`` every test that runs ranks of its own (``RANK_RUNNERS``), as read from its source:
+    ``tests/repeat_ranks.sh`` runs them again and again, to find the flaky ones. Order the files ``LONGEST_FIRST``
+    (a file's tests keep their order)."""
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))
     for item in items:
         function = getattr(item, "function", None)
-        if function is not None and any(call in inspect.getsource(function) for call in ("run_ranks(", "spawn_ranks(")):
+        if function is not None and any(call in inspect.getsource(function) for call in RANK_RUNNERS):
             item.add_marker(pytest.mark.ranks)

@@ -6,6 +6,10 @@ from ``fsdp_compile.testing.faults``: fresh ranks for each case, each waited for
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -174,3 +178,35 @@ def test_a_rank_whose_compiled_graph_diverges_after_a_caught_exception_fails_eve
     assert "rank 0 waits in collective #" in outcomes[1].message
     assert outcomes[0].error == "RankFailed" and outcomes[0].blamed == 1, outcomes[0]
     assert all(o.after is not None and o.after < WITHIN_S for o in outcomes.values()), outcomes
+
+
+class _SlowTeardown:
+    """Held by the script's module on rank 0: the interpreter's shutdown there lasts until rank 1's process ended."""
+
+    def __del__(self) -> None:
+        time.sleep(2.0)
+
+
+@pytest.mark.ranks
+def test_a_script_that_lets_rank_failed_end_it_exits_with_code_1_and_no_abort() -> None:
+    """This file run as a script on 2 ranks (``__main__`` below), as torchrun runs one: ``RankFailed`` ends each
+    process through the interpreter's shutdown, where gloo's wait for the unfinished collective used to return on a
+    helper thread as the peer's process ended and abort the process ("terminate called without an active
+    exception", SIGABRT)."""
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2",
+           "OMP_NUM_THREADS": "1"}
+    ranks = [subprocess.Popen([sys.executable, __file__], env={**env, "RANK": str(rank)}, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for rank in range(2)]
+    outputs = [rank.communicate(timeout=120)[0] for rank in ranks]
+    for rank, output in zip(ranks, outputs):
+        assert rank.returncode == 1 and "terminate called" not in output, output
+        assert "fsdp_compile.RankFailed: fsdp_compile: " in output, output
+
+
+if __name__ == "__main__":  # by the test above: rank 1 skips a bad batch; RankFailed ends both ranks
+    dist.init_process_group("gloo")
+    _teardown = _SlowTeardown() if dist.get_rank() == 0 else None
+    _train(dist.get_rank(), dist.get_world_size(), "eager", Fault(rank=1, step=2))
