@@ -36,8 +36,7 @@ log = logging.getLogger(__name__)
 def ring_order(rank: int, group_size: int) -> list[int]:
     """The peers of ``rank`` in the order its copy-engine collectives copy from or to them: ``rank + 1``, ``rank +
     2``, ... (mod ``group_size``). At each step every rank has a different peer, so no rank is read (or written)
-    by two peers at once. Over 4 H200s a block's all-gather took 0.44-0.45 ms in rank order (every rank starts
-    with rank 0), 0.25 in ring order (benchmarks/NOTES.md, experiment 23)."""
+    by two peers at once (rank order has every rank read rank 0 first: docs/measurements.md, "Ring order")."""
     return [(rank + step) % group_size for step in range(1, group_size)]
 
 
@@ -71,8 +70,7 @@ class Slab:
         driver's stream memory operations (``_internals.cuda_driver``), each rank writes the number of barriers it
         has reached into its counter in every peer's memory, then waits until every peer's counter in its own
         memory is as high: the GPU's front end waits, no SM does (symmetric memory's barrier kernel spins on one,
-        slowing the matmuls beside it: 1.10x on the ranks that waited for a late one over 4 H200s;
-        benchmarks/NOTES.md, experiment 25). The barrier kernel while the current stream is being captured (a
+        slowing the matmuls beside it: docs/measurements.md, "Barriers"). The barrier kernel while the current stream is being captured (a
         CUDA graph would replay the same numbers) or without stream memory operations."""
         signals = self.signals
         if signals is None or torch.cuda.is_current_stream_capturing():

@@ -1,8 +1,8 @@
 """The copy-engine ops' streams and events, made once per device: making them at every call costs host time
 (``torch.cuda.Stream()``, the new event of ``Stream.wait_stream``, a c10d ``Work`` registered for the graph's
-``wait_tensor``: 5-70 µs each, ``benchmarks/ce_host_cost.py``), and a step without CUDA graphs pays it per
-collective. Forks, records and waits are the driver's calls on the raw handles (``_internals.cuda_driver``: ~1 µs
-each, against 3-16 for torch's Python stream and event APIs).
+``wait_tensor``), and a step without CUDA graphs pays it per collective. Forks, records and waits are the
+driver's calls on the raw handles (``_internals.cuda_driver``), cheaper than torch's Python stream and event APIs
+(docs/measurements.md, "Host cost").
 
 * :func:`fork_side`: symmetric memory's side stream, after the compute stream's work so far (not made current).
 * :func:`on_side_stream`: the same, made current for torch's ops (the workspace route).
@@ -59,9 +59,9 @@ def on_side_stream() -> Iterator[None]:
 def copy_in_turn(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``dst.copy_(src)`` for every (dst, src) pair, one after another on the current (side) stream. The pairs
     come in ring order (``fsdp_compile._slots.ring_order``): at each step every rank copies from (or to) a peer
-    that no other rank copies from (or to) at that step. Over 4 H200s a block's all-gather so took 0.251 ms,
-    against 0.318 with the copies at once on a stream per peer (they then share the peers' links) and NCCL's 0.282
-    (benchmarks/NOTES.md, experiment 23); and one stream costs no events to fork and join."""
+    that no other rank copies from (or to) at that step: faster than the copies at once on a stream per peer,
+    which share the peers' links (docs/measurements.md, "Ring order"); and one stream costs no events to fork and
+    join."""
     for dst, src in pairs:
         dst.copy_(src)
 

@@ -3,13 +3,13 @@
 * Stream memory operations (``cuStreamBatchMemOp_v2``, CUDA 12+): a stream writes 64-bit values to (its own or a
   peer's mapped) device memory, or waits until values there are at least some number, and the GPU's front end does
   it, with no kernel; one call enqueues a whole barrier (:class:`MemOps`). A barrier kernel that waits for a late
-  rank spins on an SM, and a persistent matmul beside it (cuBLAS's, one CTA per SM) then runs slower: 1.10x on the
-  3 ranks that waited for a late one over 4 H200s (benchmarks/NOTES.md, runs 56-57). :func:`has_stream_memops` is
+  rank spins on an SM, and a persistent matmul beside it (cuBLAS's, one CTA per SM) then runs slower
+  (docs/measurements.md, "Barriers"). :func:`has_stream_memops` is
   False where they are missing (an older driver); the callers keep their barrier kernels.
 * Peer copies and events on raw streams (``cuMemcpyDtoDAsync_v2``, ``cuEventRecord``, ``cuStreamWaitEvent``):
-  torch's ``Tensor.copy_``, ``Event.record``, ``Stream.wait_event`` and stream switches cost 5-16 µs of host time a
-  call, these about 1 (``benchmarks/ce_host_cost.py``), and a step without CUDA graphs makes ~15 of them per
-  collective over 4 ranks. The same GPU work: ``copy_`` of contiguous bytes on one device (a peer's mapped memory
+  torch's ``Tensor.copy_``, ``Event.record``, ``Stream.wait_event`` and stream switches cost several times more
+  host time a call (docs/measurements.md, "Host cost"), and a step without CUDA graphs makes many of them per
+  collective. The same GPU work: ``copy_`` of contiguous bytes on one device (a peer's mapped memory
   is an address on this device) is ``cudaMemcpyAsync``, device to device. Captured by CUDA graphs like torch's.
 
 Streams and events are the raw handles torch's expose (``Stream.cuda_stream``, ``Event.cuda_event``); the
@@ -83,7 +83,7 @@ def _check(result: int, what: str) -> None:
 class MemOps:
     """One ``cuStreamBatchMemOp`` made once: write a value at each of ``writes``, then wait until the value at each
     of ``waits`` is at least as high (device addresses, 64-bit values). Each :meth:`enqueue` only sets the value: one
-    driver call, not one per address (~1 µs each over ctypes)."""
+    driver call, not one per address."""
 
     def __init__(self, writes: list[int], waits: list[int]) -> None:
         self.writes, self.waits, self._call = writes, waits, _batch_memop()

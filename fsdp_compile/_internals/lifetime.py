@@ -43,5 +43,5 @@ def before_destroy(name: str, callback: Callable[[], None]) -> bool:
 def release_cuda_graphs() -> None:
     """Free Inductor's CUDA graphs. Before ``destroy_process_group()`` (``before_destroy``): NCCL's teardown of a
     communicator waits for every live CUDA graph that captured its kernels, so every rank hung there after
-    training with CUDA graphs (seen on 2 H100s; freeing the graphs first, it returned in 0.4 s; pytorch#115388)."""
+    training with CUDA graphs (pytorch#115388; docs/measurements.md)."""
     _need("torch._inductor.cudagraph_trees", "reset_cudagraph_trees")()

@@ -87,9 +87,8 @@ def _lower_as_mutation(op: Any, written: list[str]) -> None:
 def _call_directly(op: Any, name: str, impl: Callable[..., Any]) -> None:
     """Have Inductor's Python wrapper call ``impl``, ``op``'s function, for each call of ``op`` (a fallback kernel
     that returns nothing), with the same arguments: ``extern_kernels.<name>(...)``, ``impl`` put in Inductor's
-    namespace of extern kernels, which every wrapper imports. Calling the op costs 2.7-7 µs of host time a call
-    more than calling its function (the dispatcher; H200 hosts, torch 2.11: ``mm_into`` 14.9 against 11.5 µs;
-    17.7 against ~10.5 on another), ~200 calls a step. Through Inductor's table of custom fallback codegen (2.11
+    namespace of extern kernels, which every wrapper imports: the dispatcher's cost per call, paid about 200 times
+    a step, is saved (docs/measurements.md, "Host cost"). Through Inductor's table of custom fallback codegen (2.11
     and 2.13), keyed by the kernel's name as Inductor spells it; a torch without it keeps calling the op, as do
     Inductor's C++ wrapper, eager code and FX graphs."""
     try:

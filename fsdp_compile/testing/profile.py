@@ -58,7 +58,7 @@ def trace_steps(step: Callable[[int], object], steps: int, path: str, *, host: b
     the profiler's warm-up, not traced: a rank that starts late, or the profiler's own start-up, would
     make the trace show kernels waiting instead of the schedule. The GPU finishes the warm-up step before
     tracing starts: the host runs ahead of the GPU, so the warm-up step's kernels would otherwise land in
-    the trace (seen: 73 ms of compute per traced 58 ms step). ``host``: trace host-side ops too."""
+    the trace (docs/measurements.md, "Profiler warm-up"). ``host``: trace host-side ops too."""
     activities = [torch.profiler.ProfilerActivity.CUDA]
     if host:
         activities.append(torch.profiler.ProfilerActivity.CPU)
