@@ -6,24 +6,24 @@
 
 from fsdp_compile._agree import RanksDisagree
 from fsdp_compile._backend import backend
-from fsdp_compile._departure import RankFailed
 from fsdp_compile._clip_grad_norm import clip_grad_norm_
+from fsdp_compile._departure import RankFailed
 from fsdp_compile._describe import ShardingSummary, describe, sync_buffers
+from fsdp_compile._dump import from_environment as _dump_from_environment
 from fsdp_compile._init_parameters import init_parameters
 from fsdp_compile._save_safetensors import save_safetensors
 from fsdp_compile._shard import set_requires_gradient_sync, shard
 from fsdp_compile._sharded_state_dict import load_sharded_optimizer_state_dict, sharded_optimizer_state_dict
-from fsdp_compile._summon import summon_full_params
 from fsdp_compile._state_dict import (
     full_optimizer_state_dict,
     full_state_dict,
     load_full_optimizer_state_dict,
     load_full_state_dict,
 )
-from fsdp_compile._slots import release_slabs, slab_bytes
+from fsdp_compile._summon import summon_full_params
 from fsdp_compile._unit import sharded_units
 from fsdp_compile.config import BackendConfig, MixedPrecision
-from fsdp_compile._dump import from_environment as _dump_from_environment
+from fsdp_compile.runtime.slots import release_slabs, slab_bytes
 
 _dump_from_environment()  # FSDP_COMPILE_DUMP=DIR: a log handler, so that the first graph's records are kept too
 

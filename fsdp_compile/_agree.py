@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_compile import _internals
-from fsdp_compile._channel import BEAT_S
-from fsdp_compile._channels import channel_named
+from fsdp_compile.runtime.channel import BEAT_S
+from fsdp_compile.runtime.channels import channel_named
 
 if TYPE_CHECKING:
     from fsdp_compile._unit import UnitState

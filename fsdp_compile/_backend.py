@@ -1,18 +1,17 @@
 """The ``fsdp_compile`` torch.compile backend: the pass pipeline, then AOTAutograd and Inductor.
 
-Pipeline ([Note: pass order] in docs/architecture.md): ``map_units`` -> ``insert_collectives`` on the
+Pipeline ([Note: pass order] in docs/architecture.md): ``map_unit_inputs`` -> ``insert_collectives`` on the
 Dynamo graph; AOTAutograd with ``reshard_after_forward`` on the joint graph before partitioning;
-``schedule_overlap``, ``plan_memory``, then (with a ``"copy_engine"`` route) ``lower_to_symm_mem``, on the
+``schedule_overlap``, ``plan_memory``, then (with a ``"copy_engine"`` route) ``lower_to_copy_engines``, on the
 forward and backward graphs (Inductor's post-grad graphs, or the AOT graphs under ``aot_eager``); Inductor
 (or ``aot_eager``) compiles them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -25,35 +24,36 @@ from fsdp_compile._agree import MODEL_HINT, agree
 from fsdp_compile._apply_shard import unsharded_parameter_message
 from fsdp_compile._describe import units_json
 from fsdp_compile._internals import PassPipeline, counters, inductor_config, lifetime
-from fsdp_compile.config import BackendConfig
 from fsdp_compile._unit import UnitState
 from fsdp_compile._watch import ModelWatch, WatchedGraph
-from fsdp_compile.lowering.choose_route import RouteChoice, choose_route
+from fsdp_compile.config import BackendConfig
+from fsdp_compile.lowering.choose_route import Collective, Routes, resolve_routes
 from fsdp_compile.lowering.interrupt_waits import InterruptWaits
-from fsdp_compile.lowering.lower_to_symm_mem import (
-    LowerToSymmMem,
-    reserve_workspace,
-    workspace_nbytes,
-)
+from fsdp_compile.lowering.lower_to_copy_engines import LowerToCopyEngines
 from fsdp_compile.passes.insert_collectives import (
     CollectivesPlan,
     UnitGather,
     apply_collectives,
     plan_collectives,
 )
-from fsdp_compile.passes.map_units import UnitInputsPlan, plan_unit_inputs
+from fsdp_compile.passes.map_unit_inputs import UnitInputsPlan, plan_unit_inputs
 from fsdp_compile.passes.plan_memory import PlanMemory
 from fsdp_compile.passes.reshard_after_forward import ReshardAfterForward
 from fsdp_compile.passes.schedule_overlap import ScheduleOverlap
 from fsdp_compile.passes.write_gradients_in_place import WriteGradientsInPlace
+from fsdp_compile.runtime.copy_engine import reserve_workspace, workspace_nbytes
 
 __all__ = ["backend", "fsdp_compile_backend"]
 
 log = logging.getLogger(__name__)
 
 
-def _post_grad_passes(config: BackendConfig, gloo: bool = False) -> PassPipeline:
-    """The passes on the forward and backward graphs; ``gloo``: the graph's collectives run over gloo."""
+def _post_grad_passes(
+    config: BackendConfig, routes: Routes, ranks: Mapping[str, int] | None = None, gloo: bool = False
+) -> PassPipeline:
+    """The passes on one compiled step's forward and backward graphs (one pipeline per compile: the memory plan
+    keeps its forward's buffers for its backward); ``ranks``: this process's rank in each group, by name;
+    ``gloo``: the graph's collectives run over gloo."""
     passes: list[Any] = []
     if config.overlap:
         passes.append(
@@ -61,18 +61,19 @@ def _post_grad_passes(config: BackendConfig, gloo: bool = False) -> PassPipeline
         )
     if config.gradients_in_place:  # after the schedule: it moves reductions by their inputs' producers
         passes.append(WriteGradientsInPlace())
-    gathers, exchanges = config.all_gather == "copy_engine", config.grad_reduce == "copy_engine"
-    passes.append(PlanMemory(  # NCCL's exchanges stay in Inductor's buffers: slotted, a 0.95B CUDA-graph run hung
-        apply=config.memory_plan, symmetric=gathers or exchanges, cudagraphs=config.cudagraphs, exchanges=exchanges
+    gathers, exchanges = routes.all_gather == "copy_engine", routes.grad_reduce == "copy_engine"
+    passes.append(PlanMemory(  # NCCL's exchanges stay in Inductor's buffers: slotted, a CUDA-graph run hung
+        apply=config.memory_plan, symmetric=gathers or exchanges, cudagraphs=config.cudagraphs, exchanges=exchanges,
+        ranks=ranks,
     ))
     if gathers or exchanges:
-        passes.append(LowerToSymmMem(all_gather=gathers, grad_reduce=exchanges))
+        passes.append(LowerToCopyEngines(all_gather=gathers, grad_reduce=exchanges))
     if gloo:
         passes.append(InterruptWaits())
     return PassPipeline(passes)
 
 
-def _inductor_settings(config: BackendConfig, gloo: bool = False) -> dict[str, Any]:
+def _inductor_settings(config: BackendConfig, post_grad: PassPipeline) -> dict[str, Any]:
     """Inductor settings for the forward and backward compiles: our joint and post-grad passes; when the
     overlap schedule runs, no peak-memory reordering after it (that reordering would issue each all-gather
     at its use again); CUDA graphs when asked for."""
@@ -81,7 +82,7 @@ def _inductor_settings(config: BackendConfig, gloo: bool = False) -> dict[str, A
         settings.update(_internals.COMPILE_AFRESH)
     if config.cudagraphs:
         settings["triton.cudagraphs"] = True
-    settings["post_grad_custom_post_pass"] = _post_grad_passes(config, gloo)
+    settings["post_grad_custom_post_pass"] = post_grad
     if config.overlap:
         settings["reorder_for_peak_memory"] = False
     return settings
@@ -101,7 +102,7 @@ def _user_settings(config: BackendConfig, mode: str | None, options: dict[str, A
     unknown = sorted(set(settings) - set(inductor_config.get_config_copy()))
     if unknown:
         raise ValueError(f"torch.compile(options=...) names settings Inductor does not have: {unknown}")
-    ours = _inductor_settings(config)
+    ours = _inductor_settings(config, _post_grad_passes(config, _fixed_routes(config)))
     clash = sorted(k for k in settings if k in ours and settings[k] != ours[k])
     if clash:
         raise ValueError(
@@ -126,11 +127,13 @@ def _inductor_inner_compile(settings: dict[str, Any], dump: Any, watches: set[Mo
     return inner_compile
 
 
-def _eager_compiler(stage: debug.Stage, config: BackendConfig, gloo: bool, watches: set[ModelWatch]) -> Callable:
+def _eager_compiler(
+    stage: debug.Stage, config: BackendConfig, post_grad: PassPipeline, watches: set[ModelWatch]
+) -> Callable:
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         debug.record(stage, gm)
         with _dump.dumping(config.dump):
-            _post_grad_passes(config, gloo)(gm.graph)
+            post_grad(gm.graph)
         return WatchedGraph(_internals.make_boxed_func(gm.forward), watches, stage)
 
     return compiler
@@ -147,39 +150,30 @@ def _sharded_gathers(gm: fx.GraphModule, plan: CollectivesPlan) -> list[tuple[Un
     return [(g, shards[g.shard]) for g in plan.gathers if g.world_size > 1]
 
 
-def _choose_routes(gm: fx.GraphModule, plan: CollectivesPlan, config: BackendConfig) -> BackendConfig:
-    """``all_gather="auto"``, ``grad_reduce="auto"``: the route for this graph's collectives
-    (``lowering/choose_route.py``), logged; a fixed ``grad_reduce="copy_engine"`` is checked against the units."""
-    gathers = _sharded_gathers(gm, plan)
-    reduce_scatters = sorted({g.unit for g, _ in gathers if g.grad_reduction == "reduce_scatter"})
-    if config.grad_reduce == "copy_engine" and reduce_scatters:
-        raise ValueError(
-            f"grad_reduce='copy_engine' runs the gradient exchanges (gradients in param_dtype, summed in "
-            f"reduce_dtype) on copy engines, but units {reduce_scatters} reduce-scatter instead (their reduce_dtype "
-            "is their param_dtype, or MixedPrecision(exchange_grads_in_param_dtype=False)): use grad_reduce='nccl' "
-            "or 'auto' for them"
-        )
-    exchanges = [(g, shard) for g, shard in gathers if g.grad_reduction == "all_to_all"]
-    routes = {}
-    for option, collectives in (("all_gather", gathers), ("grad_reduce", exchanges)):
-        if getattr(config, option) != "auto":
-            continue
-        sizes, devices = {g.world_size for g, _ in collectives}, {shard.device for _, shard in collectives}
-        chosen = choose_route(option, sizes, devices)
-        if option == "grad_reduce" and chosen.route == "copy_engine" and not config.memory_plan:
-            chosen = RouteChoice("nccl", "memory_plan=False: no planned slots to push the gradients into")
+def _fixed_routes(config: BackendConfig) -> Routes:
+    """The routes as the options give them (``"auto"`` taken for NCCL): for checks made before a graph exists."""
+    fixed = {option: "nccl" if getattr(config, option) == "auto" else getattr(config, option)
+             for option in ("all_gather", "grad_reduce")}
+    return Routes(**fixed)
+
+
+def _resolve_routes(gm: fx.GraphModule, plan: CollectivesPlan, config: BackendConfig) -> Routes:
+    """The routes of this graph's collectives (``lowering/choose_route.py``), what ``"auto"`` chose logged."""
+    collectives = [Collective(g.unit, g.world_size, g.grad_reduction, shard.device) for g, shard in
+                   _sharded_gathers(gm, plan)]
+    routes = resolve_routes(config.all_gather, config.grad_reduce, config.memory_plan, collectives)
+    for option, chosen in routes.chosen:
         debug.artifact(f"{option}_route", chosen.to_json, encoding="json")
-        routes[option] = chosen.route
         counters["fsdp_compile"][f"{option}_auto_{chosen.route}"] += 1
         log.info("fsdp_compile: %s='auto' chose %r: %s", option, chosen.route, chosen.reason)
-    return dataclasses.replace(config, **routes)
+    return routes
 
 
 def _reserve_workspaces(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
     """Size each group's copy-engine workspace to its largest shard, in param_dtype, before any graph runs."""
     by_group: dict[str, list[tuple[int, Any]]] = {}
     for gather, shard in _sharded_gathers(gm, plan):
-        if shard.device.type == "cuda":  # others: lower_to_symm_mem refuses them
+        if shard.device.type == "cuda":  # others: lower_to_copy_engines refuses them
             by_group.setdefault(gather.group_name, []).append((shard.numel(), gather.param_dtype))
     for group_name, group_shards in sorted(by_group.items()):
         reserve_workspace(group_name, workspace_nbytes(group_shards))
@@ -213,9 +207,9 @@ def _agree_on_gathers(plan: CollectivesPlan, unit_inputs: UnitInputsPlan, route:
 
 def _insert_collectives(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig
-) -> tuple[CollectivesPlan, BackendConfig, list[UnitState]]:
-    """The collectives inserted, ``config`` with the routes ``"auto"`` chose (resolved here, before the ranks
-    agree), and the units the graph gathers."""
+) -> tuple[CollectivesPlan, Routes, list[UnitState]]:
+    """The collectives inserted, their routes (resolved here, once, before the ranks agree), and the units the
+    graph gathers."""
     debug.record("dynamo", gm)
     _check_parameters_sharded(gm, example_inputs)
     unit_inputs = plan_unit_inputs(gm, example_inputs)
@@ -223,9 +217,8 @@ def _insert_collectives(
     debug.artifact("units", lambda: units_json(unit_inputs.units.values()))
     debug.artifact("collectives_plan", plan.to_json)
     debug.graph_artifact("insert_collectives_before", gm)
-    routed = _choose_routes(gm, plan, config)
-    auto = "auto" in (config.all_gather, config.grad_reduce)
-    _agree_on_gathers(plan, unit_inputs, f"{routed.all_gather}/{routed.grad_reduce}" if auto else "")
+    routes = _resolve_routes(gm, plan, config)
+    _agree_on_gathers(plan, unit_inputs, routes.describe())
 
     def insert(graph: fx.Graph) -> CollectivesPlan:
         apply_collectives(gm, plan)
@@ -238,7 +231,7 @@ def _insert_collectives(
     counters["fsdp_compile"]["all_gathers"] += len(plan.gathers)
     debug.graph_artifact("insert_collectives_after", gm)
     log.info("fsdp_compile: %d units gathered in a graph of %d nodes", len(plan.gathers), len(gm.graph.nodes))
-    return plan, routed, list(unit_inputs.units.values())
+    return plan, routes, list(unit_inputs.units.values())
 
 
 def _compile(
@@ -256,22 +249,24 @@ def _compile(
 def _compile_dumped(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig, user_settings: dict[str, Any]
 ) -> Callable[..., Any]:
-    plan, config, states = _insert_collectives(gm, example_inputs, config)
-    gloo = any(dist.get_backend(group) == "gloo" for state in states for group in state.groups)
+    plan, routes, states = _insert_collectives(gm, example_inputs, config)
+    groups = {group.group_name: group for state in states for group in state.groups}
+    gloo = any(dist.get_backend(group) == "gloo" for group in groups.values())
     watches = {state.watch for state in states}
-    settings = {**user_settings, **_inductor_settings(config, gloo)}
+    post_grad = _post_grad_passes(config, routes, {name: group.rank() for name, group in groups.items()}, gloo)
+    settings = {**user_settings, **_inductor_settings(config, post_grad)}
     if settings.get("triton.cudagraphs") and not lifetime.before_destroy("cuda_graphs", lifetime.release_cuda_graphs):
         debug.degraded(
             "cuda_graphs_hold_destroy",
             "this torch gives fsdp_compile no way to free Inductor's CUDA graphs before destroy_process_group(), "
             "which then waits for them forever: call torch._dynamo.reset() before destroy_process_group()",
         )
-    if config.all_gather == "copy_engine" and not config.memory_plan:  # else: only what the plan leaves unslotted
+    if routes.all_gather == "copy_engine" and not config.memory_plan:  # else: only what the plan leaves unslotted
         _reserve_workspaces(gm, plan)
     if config.compiler == "aot_eager":
         return _internals.aot_autograd(
-            fw_compiler=_eager_compiler("forward", config, gloo, watches),
-            bw_compiler=_eager_compiler("backward", config, gloo, watches),
+            fw_compiler=_eager_compiler("forward", config, post_grad, watches),
+            bw_compiler=_eager_compiler("backward", config, post_grad, watches),
             partition_fn=_partition_resharded,
             keep_inference_input_mutations=True,
         )(gm, example_inputs)

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["ParamSlot", "UnitLayout", "plan_layout", "unit_label"]
+__all__ = ["UNIT", "ParamSlot", "UnitLayout", "plan_layout", "unit_label"]
 
 
 def unit_label(name: str) -> str:
     """How messages, tables and pictures name a unit (a :attr:`UnitLayout.name`): its fully qualified name,
     ``<root>`` for the root's (""), then ``[part]`` for one parameter group of a unit that has several."""
     return "<root>" + name if name[:1] in ("", "[") else name
+
+
+UNIT = "fsdp_compile.unit"
+"""Key in ``meta["custom"]`` of the nodes ``insert_collectives`` adds (tracing copies it onto the collectives
+they become, in forward and backward): the unit's fully qualified name, for graph dumps and plans."""
 
 
 ALIGN_ELEMENTS = 16

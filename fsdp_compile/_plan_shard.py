@@ -24,8 +24,8 @@ from torch import nn
 
 from fsdp_compile._internals import OptimizedModule
 from fsdp_compile._layout import UnitLayout, plan_layout
-from fsdp_compile._ops import GradReduction
 from fsdp_compile.config import MixedPrecision
+from fsdp_compile.runtime.ops import GradReduction
 
 __all__ = ["ReshardSpec", "ShardPlan", "UnitPlan", "UnitSpec", "plan_shard"]
 

@@ -1,8 +1,8 @@
 """``save_safetensors``: a sharded model's weights as a Hugging Face safetensors directory, written by one rank
 one unit at a time, so that ``from_pretrained`` reads them and no rank holds more than one unit in full.
 
-Loading goes the other way through DCP's own reader (``HuggingFaceStorageReader``; README "Models bigger than
-one device"). Saving does not go through DCP's ``HuggingFaceStorageWriter``: its files hold one block per
+Loading goes the other way through DCP's own reader (``HuggingFaceStorageReader``; docs/checkpointing.md,
+"Loading"). Saving does not go through DCP's ``HuggingFaceStorageWriter``: its files hold one block per
 tensor per rank, and a rank's part of a parameter here is up to three blocks (a partial row, whole rows, a
 partial row), which its consolidation merges wrongly.
 """

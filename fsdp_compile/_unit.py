@@ -19,7 +19,8 @@ from fsdp_compile._eager import EagerUnit
 from fsdp_compile._internals import counters
 from fsdp_compile._layout import ParamSlot, UnitLayout, unit_label
 from fsdp_compile._outside_forward import outside_forward, read_outside_forward
-from fsdp_compile._ops import (
+from fsdp_compile._weak import weak_method
+from fsdp_compile.runtime.ops import (
     GradReduction,
     all_gather_nograd,
     all_reduce_avg,
@@ -27,7 +28,6 @@ from fsdp_compile._ops import (
     reduce_scatter_avg,
     unshard,
 )
-from fsdp_compile._weak import weak_method
 
 if TYPE_CHECKING:
     from fsdp_compile._watch import ModelWatch

@@ -1,4 +1,4 @@
-"""What a sharded model tells its process groups' failure channels (``fsdp_compile._channel``): each call of the
+"""What a sharded model tells its process groups' failure channels (``fsdp_compile.runtime.channel``): each call of the
 model (its step), the exceptions that leave its forward or backward, a forward whose backward never completed.
 The sharded root's ``__call__`` runs outside Dynamo (every call, compiled or not, passes through it) and checks
 the channels before the model issues a collective: [Note: failures] in docs/architecture.md."""
@@ -16,10 +16,10 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_compile import _internals
-from fsdp_compile._internals import failures
 from fsdp_compile._departure import RankFailed
-from fsdp_compile._channels import channel_of
+from fsdp_compile._internals import failures
 from fsdp_compile.debug import degraded
+from fsdp_compile.runtime.channels import channel_of
 
 __all__ = ["ModelWatch", "WatchedGraph", "call_watched", "watch_of"]
 

@@ -73,7 +73,7 @@ class BackendConfig:
     all_gather: Literal["nccl", "copy_engine", "auto"] = "auto"
     """How the units' all-gathers run on GPUs. ``"nccl"``: NCCL kernels (they hold SMs while they run).
     ``"copy_engine"``: peer-to-peer memcpys through symmetric memory, on the GPUs' copy engines, leaving
-    the SMs to the matmuls they overlap with (``lowering/lower_to_symm_mem.py``). Needs CUDA tensors, a
+    the SMs to the matmuls they overlap with (``lowering/lower_to_copy_engines.py``). Needs CUDA tensors, a
     torch with symmetric memory, and GPUs with peer access (NVLink). ``"auto"`` (the default): per compiled
     graph, the route measured faster for its groups' size (copy engines over 2 or 4 ranks on one host, NCCL
     otherwise: ``lowering/choose_route.py``), NCCL wherever the copy engines cannot run (CPU tensors: gloo);

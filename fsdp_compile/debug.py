@@ -43,8 +43,7 @@ from typing import Literal
 import torch.fx as fx
 
 from fsdp_compile._internals import COMPILE_AFRESH, counters, inductor_config, trace_structured
-from fsdp_compile._layout import unit_label
-from fsdp_compile._ops import UNIT
+from fsdp_compile._layout import UNIT, unit_label
 
 __all__ = ["CapturedGraph", "artifact", "capture_graphs", "current_stage", "degraded", "graph_artifact", "set_stage"]
 

@@ -96,7 +96,7 @@ def _graph(rank: int, folder: Path) -> GraphDump | None:
             units = json.loads(path.read_text())
         elif name == "schedule_overlap_plan":
             schedules[stage] = json.loads(path.read_text())
-        elif name == "memory_plan":
+        elif name == "plan_memory_plan":
             memory = json.loads(path.read_text())
         elif name in ("all_gather_route", "grad_reduce_route"):
             routes[name.removesuffix("_route")] = json.loads(path.read_text())

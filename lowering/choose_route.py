@@ -22,9 +22,10 @@ import torch
 
 from fsdp_compile._internals import MissingTorchFeature, symm_mem
 
-__all__ = ["RouteChoice", "choose_route"]
+__all__ = ["Collective", "RouteChoice", "Routes", "choose_route", "resolve_routes"]
 
 Direction = Literal["all_gather", "grad_reduce"]
+Route = Literal["nccl", "copy_engine"]
 
 _MEASURED = json.loads(Path(__file__).with_name("route_measurements.json").read_text())
 
@@ -63,7 +64,7 @@ _NOUN = {"all_gather": "all-gathers", "grad_reduce": "gradient exchanges"}
 
 @dataclass(frozen=True)
 class RouteChoice:
-    route: Literal["nccl", "copy_engine"]
+    route: Route
     reason: str
 
     def to_json(self) -> str:
@@ -97,3 +98,53 @@ def choose_route(direction: Direction, group_sizes: Collection[int], devices: Co
         return RouteChoice("nccl", f"GPU {here} has no peer access to every other visible GPU ({others})")
     why = _why_copy_engines(direction, group_sizes)
     return RouteChoice("copy_engine", f"{sorted(set(group_sizes))} ranks on one host with peer access: {why}")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """What the routes depend on, of one unit's all-gather over more than one rank."""
+
+    unit: str
+    world_size: int
+    grad_reduction: str
+    """``"reduce_scatter"`` or ``"all_to_all"`` (an exchange: gradients in ``param_dtype``, summed wider)."""
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class Routes:
+    """The routes of one compiled graph's collectives, resolved once, before the ranks agree on them: each
+    option as given, or what ``"auto"`` chose and why (``chosen``)."""
+
+    all_gather: Route
+    grad_reduce: Route
+    chosen: tuple[tuple[Direction, RouteChoice], ...] = ()
+
+    def describe(self) -> str:
+        """The routes as the ranks compare them, where ``"auto"`` chose one ("" otherwise)."""
+        return f"{self.all_gather}/{self.grad_reduce}" if self.chosen else ""
+
+
+def resolve_routes(all_gather: str, grad_reduce: str, memory_plan: bool, collectives: Collection[Collective]) -> Routes:
+    """The routes of a graph's ``collectives`` under the options ``all_gather`` and ``grad_reduce`` (``"auto"``:
+    :func:`choose_route`); a fixed ``grad_reduce="copy_engine"`` is checked against the units."""
+    reduce_scatters = sorted({c.unit for c in collectives if c.grad_reduction == "reduce_scatter"})
+    if grad_reduce == "copy_engine" and reduce_scatters:
+        raise ValueError(
+            f"grad_reduce='copy_engine' runs the gradient exchanges (gradients in param_dtype, summed in "
+            f"reduce_dtype) on copy engines, but units {reduce_scatters} reduce-scatter instead (their reduce_dtype "
+            "is their param_dtype, or MixedPrecision(exchange_grads_in_param_dtype=False)): use grad_reduce='nccl' "
+            "or 'auto' for them"
+        )
+    exchanges = [c for c in collectives if c.grad_reduction == "all_to_all"]
+    routes: dict[str, str] = {"all_gather": all_gather, "grad_reduce": grad_reduce}
+    chosen: list[tuple[Direction, RouteChoice]] = []
+    for option, routed in (("all_gather", collectives), ("grad_reduce", exchanges)):
+        if routes[option] != "auto":
+            continue
+        choice = choose_route(option, {c.world_size for c in routed}, {c.device for c in routed})
+        if option == "grad_reduce" and choice.route == "copy_engine" and not memory_plan:
+            choice = RouteChoice("nccl", "memory_plan=False: no planned slots to push the gradients into")
+        routes[option] = choice.route
+        chosen.append((option, choice))
+    return Routes(routes["all_gather"], routes["grad_reduce"], tuple(chosen))  # type: ignore[arg-type]

@@ -24,9 +24,9 @@ import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
-from fsdp_compile import _gloo_wait
-from fsdp_compile._graph import WAIT, GraphPass, lint_and_recompile, named, plan_json
 from fsdp_compile._internals import step_ops
+from fsdp_compile.passes._graph import WAIT, GraphPass, lint_and_recompile, named, plan_json
+from fsdp_compile.runtime import gloo_wait
 
 __all__ = ["AWAIT_COLLECTIVE", "InterruptWaits", "InterruptWaitsPlan", "apply_interrupt_waits", "plan_interrupt_waits"]
 
@@ -34,7 +34,7 @@ __all__ = ["AWAIT_COLLECTIVE", "InterruptWaits", "InterruptWaitsPlan", "apply_in
 @step_ops.step_op("fsdp_compile::await_collective", "(Tensor(a!) output, str group_name) -> ()", lambda *a: None)
 def await_collective(output: torch.Tensor, group_name: str) -> None:
     """Wait for the collective whose result is ``output`` through its group's failure channel (if it has one)."""
-    _gloo_wait.wait(output, group_name)
+    gloo_wait.wait(output, group_name)
 
 
 AWAIT_COLLECTIVE = await_collective

@@ -1,11 +1,11 @@
 """Replace the per-parameter ``unshard`` markers of each unit by ONE all-gather and a view per parameter.
 
 Precondition: a Dynamo graph whose reads of sharded parameters are ``fsdp_compile::unshard`` markers on
-placeholders that ``map_units`` identified as flat shards.
+placeholders that ``map_unit_inputs`` identified as flat shards.
 Postcondition: no marker is left; each unit that was read has exactly one ``cast_all_gather_differentiable`` call per
 (sub)graph that reads it, placed just before the unit's first read there (a unit read inside a
 checkpointed region is gathered inside the region, so its recomputation re-gathers it once), whose
-output is narrowed and viewed into the parameters. Its autograd (see ``fsdp_compile._ops``) makes
+output is narrowed and viewed into the parameters. Its autograd (see ``fsdp_compile.runtime.ops``) makes
 AOTAutograd emit one gradient reduction per unit in the backward graph (a reduce-scatter, or an
 all-to-all when gradients travel in ``param_dtype``), followed, for a replicated unit (HSDP), by an all-reduce
 of the reduced shard over the replicas.
@@ -30,17 +30,16 @@ import torch
 import torch.fx as fx
 from torch.fx.operator_schemas import normalize_function
 
-from fsdp_compile._graph import lint_and_recompile, plan_json
-from fsdp_compile._layout import ParamSlot
-from fsdp_compile._ops import (
+from fsdp_compile._layout import UNIT, ParamSlot
+from fsdp_compile._unit import UnitState
+from fsdp_compile.passes._graph import lint_and_recompile, plan_json
+from fsdp_compile.passes.map_unit_inputs import UnitInputsPlan, iter_graphs
+from fsdp_compile.runtime.ops import (
     KEEP_GATHERED,
-    UNIT,
     GradReduction,
     cast_all_gather_differentiable,
     unshard,
 )
-from fsdp_compile._unit import UnitState
-from fsdp_compile.passes.map_units import UnitInputsPlan, iter_graphs
 
 __all__ = ["CollectivesPlan", "UnitGather", "apply_collectives", "is_marker", "plan_collectives"]
 

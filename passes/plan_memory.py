@@ -1,12 +1,12 @@
 """Plan the communication buffers of one compiled step into a few persistent slots (max-pool sizing).
 
 Precondition: the scheduled post-grad forward graph of a compiled step (after ``schedule_overlap``) and,
-once it is compiled, its backward graph (live ranges: ``fsdp_compile._liveness``).
+once it is compiled, its backward graph (live ranges: ``fsdp_compile.passes._liveness``).
 Postcondition: the plan (``MemoryPlan``) says, per process group, dtype and kind, which slots the step
 needs, their sizes and places in the group's slab, and which slot each collective's buffer takes; it is
-logged as the structured artifact ``fsdp_compile_memory_plan``. Applied (the default), each graph's
+logged as the structured artifact ``fsdp_compile_plan_memory_plan``. Applied (the default), each graph's
 all-gathers write into their slots: ``fsdp_compile::all_gather_into_slot`` into a view of a
-``fsdp_compile::slot`` node (``fsdp_compile._write_slots``), and, with ``exchanges`` (the backend's
+``fsdp_compile::slot`` node (``fsdp_compile.passes._write_slots``), and, with ``exchanges`` (the backend's
 ``grad_reduce="copy_engine"``: the peers push into them), so do the gradient exchanges
 (``fsdp_compile::exchange_into_slot``: the peers' parts of its output); the rest of the graph is unchanged. Other
 gradient buffers (NCCL's exchanges, reduce-scatter inputs) are planned, not applied: the reductions read the
@@ -36,15 +36,17 @@ that kind's largest).
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import torch.fx as fx
 
-from fsdp_compile import _internals, _liveness, _slots, _write_slots
-from fsdp_compile._graph import GraphPass
-from fsdp_compile._liveness import Buffer, ForwardBuffers, Kind, forward_buffers, step_buffers
-from fsdp_compile._write_slots import SlotUse, write_into_slots
+from fsdp_compile import _internals
+from fsdp_compile.passes import _liveness, _write_slots
+from fsdp_compile.passes._graph import GraphPass
+from fsdp_compile.passes._liveness import Buffer, ForwardBuffers, Kind, forward_buffers, step_buffers
+from fsdp_compile.passes._write_slots import SlotUse, write_into_slots
+from fsdp_compile.runtime import slots
 
 __all__ = [
     "SLOT_ALIGNMENT",
@@ -227,58 +229,58 @@ def hazards(plan: MemoryPlan) -> list[str]:
     return found
 
 
-_forwards: dict[str, ForwardBuffers] = {}
-"""Per compilation (Dynamo's compile id): its forward graph's buffers, until its backward is planned. An
-inference graph has no backward: the oldest entries go beyond ``_KEPT_FORWARDS``."""
-_KEPT_FORWARDS = 64
-
-
 class PlanMemory(GraphPass):
     """The planner as part of Inductor's ``post_grad_custom_post_pass`` (after ``schedule_overlap``): a forward
     graph is planned alone and kept for its backward; a backward graph is planned with its forward (the
-    step). AOTAutograd compiles the backward at its first call, in the forward's compile context. With
+    step). One object per compiled step (the backend makes one per compile): it keeps its forward's buffers
+    for its backward, and nothing outlives it. With
     ``apply``, each graph's all-gathers (and, with ``exchanges``, gradient exchanges; else those are planned,
-    not applied, like reduce-scatter inputs) then write into their slots (``fsdp_compile._write_slots``)."""
+    not applied, like reduce-scatter inputs) then write into their slots (``fsdp_compile.passes._write_slots``)."""
 
-    name = "memory"
+    name = "plan_memory"
 
     def __init__(
-        self, *, apply: bool = True, symmetric: bool = False, cudagraphs: bool = False, exchanges: bool = False
+        self,
+        *,
+        apply: bool = True,
+        symmetric: bool = False,
+        cudagraphs: bool = False,
+        exchanges: bool = False,
+        ranks: Mapping[str, int] | None = None,
     ) -> None:
         self.write_slots, self.cudagraphs, self.exchanges = apply, cudagraphs, exchanges
         self.symmetric = symmetric
         """Slabs on GPUs in symmetric memory (the copy-engine routes read or write the peers' slots)."""
+        self.ranks = dict(ranks or {})
+        """This process's rank in each process group of the step's collectives, by group name."""
+        self._forward: ForwardBuffers | None = None
+        """The step's forward graph's buffers, kept from its forward until its backward is planned."""
 
     def options(self) -> str:  # applied exchanges: each rank's graph is its own (``_write_slots._write_exchange``)
-        ranks = _internals.group_ranks() if self.exchanges and self.write_slots else ()
+        ranks = tuple(sorted(self.ranks.items())) if self.exchanges and self.write_slots else ()
         return f"{self.write_slots=} {self.symmetric=} {self.cudagraphs=} {self.exchanges=} {ranks=}"
 
     def plan(self, graph: fx.Graph) -> MemoryPlan:
         if not _is_backward(graph):
             return plan_memory(forward_buffers(graph).buffers, graphs=("forward",))
         # No forward kept: it came from a cache, so the backward is planned alone.
-        forward = _forwards.get(_internals.current_compile_id(), ForwardBuffers((), 0, ()))
+        forward = self._forward or ForwardBuffers((), 0, ())
         buffers = step_buffers(forward, graph)
         if not self.exchanges:
             buffers = tuple(replace(b, in_slab=False) if b.kind == "gradient" else b for b in buffers)
         return plan_memory(buffers, graphs=("forward", "backward") if forward.length else ("backward",))
 
     def sources(self) -> Sequence[str]:
-        return (*super().sources(), _liveness.__file__, _slots.__file__, _write_slots.__file__)
+        return (*super().sources(), _liveness.__file__, slots.__file__, _write_slots.__file__)
 
     def apply(self, gm: fx.GraphModule, plan: MemoryPlan) -> None:
         """Keeps a forward's buffers for its backward (and lets them go once it is planned), then writes the
         graph's all-gathers into their slots."""
         stage = "backward" if _is_backward(gm.graph) else "forward"
-        if stage == "backward":
-            _forwards.pop(_internals.current_compile_id(), None)
-        else:
-            _forwards[_internals.current_compile_id()] = forward_buffers(gm.graph)
-            while len(_forwards) > _KEPT_FORWARDS:
-                del _forwards[next(iter(_forwards))]
+        self._forward = forward_buffers(gm.graph) if stage == "forward" else None
         if self.write_slots:
             uses = slot_uses(plan, stage)
-            write_into_slots(gm, uses, symmetric=self.symmetric, keep_old=self.cudagraphs)
+            write_into_slots(gm, uses, symmetric=self.symmetric, keep_old=self.cudagraphs, ranks=self.ranks)
             _internals.counters["fsdp_compile"]["slotted_collectives"] += sum(len(u.collectives) for u in uses)
 
 

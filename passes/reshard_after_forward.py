@@ -24,7 +24,8 @@ from dataclasses import dataclass
 import torch.fx as fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from fsdp_compile._graph import (
+from fsdp_compile._internals import is_view_op
+from fsdp_compile.passes._graph import (
     ALL_GATHER,
     CASTS,
     WAIT,
@@ -34,8 +35,7 @@ from fsdp_compile._graph import (
     plan_json,
     producers,
 )
-from fsdp_compile._internals import is_view_op
-from fsdp_compile._ops import KEEP_GATHERED
+from fsdp_compile.runtime.ops import KEEP_GATHERED
 
 __all__ = ["ReshardAfterForward", "ReshardPlan", "apply_reshard", "plan_reshard"]
 

@@ -41,7 +41,9 @@ from dataclasses import dataclass, field
 
 import torch.fx as fx
 
-from fsdp_compile._graph import (
+from fsdp_compile._layout import UNIT
+from fsdp_compile.debug import degraded
+from fsdp_compile.passes._graph import (
     ALL_GATHER,
     ALL_REDUCE,
     CASTS,
@@ -53,8 +55,6 @@ from fsdp_compile._graph import (
     producers,
     wait_of,
 )
-from fsdp_compile._ops import UNIT
-from fsdp_compile.debug import degraded
 
 __all__ = ["OverlapPlan", "ScheduleOverlap", "apply_overlap", "plan_overlap"]
 

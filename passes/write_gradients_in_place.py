@@ -14,7 +14,7 @@ Why: Inductor computes each weight gradient's matmul (an extern kernel) into a b
 kernel copies every piece into the flat gradient (it writes only flexible layouts, not an extern matmul's,
 straight into a concatenation): a read and a write of the unit's whole gradient, and both copies live at once.
 The ops write arguments in place, so Inductor lowers them after every read of the old value and keeps every
-later read after them (``_internals.step_ops``).
+later read after them (``_internals.step_ops``; the ops: ``fsdp_compile/runtime/gradient_ops.py``).
 What it costs: the flat gradient exists from the unit's first matmul on (before, its pieces piled up one by
 one until the pack): where a step's peak memory is the start of backward, up to a unit's gradient more at
 peak. The weight gradients' matmuls run as ``torch.mm``, outside Inductor's autotuning (``max-autotune``).
@@ -27,48 +27,33 @@ from dataclasses import dataclass
 import torch
 import torch.fx as fx
 
-from fsdp_compile._graph import GRAD_REDUCTIONS, GraphPass, call_with_value, has_symbolic_size, lint_and_recompile, plan_json
-from fsdp_compile._internals import is_view_op, step_ops
+from fsdp_compile._internals import is_view_op
+from fsdp_compile.passes._graph import (
+    GRAD_REDUCTIONS,
+    GraphPass,
+    call_with_value,
+    has_symbolic_size,
+    lint_and_recompile,
+    plan_json,
+)
+from fsdp_compile.runtime.gradient_ops import COPY_INTO, MM_INTO, ZERO_INTO
 
-__all__ = ["InPlaceGradients", "WriteGradientsInPlace", "plan_in_place_gradients", "write_gradients_in_place"]
+__all__ = [
+    "COPY_INTO",
+    "MM_INTO",
+    "ZERO_INTO",
+    "InPlaceGradientsPlan",
+    "WriteGradientsInPlace",
+    "apply_in_place_gradients",
+    "plan_in_place_gradients",
+]
 
 MM, ADD = torch.ops.aten.mm.default, torch.ops.aten.add.Tensor
 SLICE_SCATTER, SLICE_BACKWARD = torch.ops.aten.slice_scatter.default, torch.ops.aten.slice_backward.default
 
 
-def _no_output(*args: object, **kwargs: object) -> None:
-    return None
-
-
-@step_ops.step_op("fsdp_compile::mm_into", "(Tensor a, Tensor b, *, Tensor(a!) out) -> ()", _no_output)
-def mm_into(a: torch.Tensor, b: torch.Tensor, *, out: torch.Tensor) -> None:
-    """``out = a @ b``, in place."""
-    torch.mm(a, b, out=out)
-
-
-MM_INTO = mm_into
-
-
-@step_ops.step_op("fsdp_compile::copy_into", "(Tensor src, *, Tensor(a!) out) -> ()", _no_output)
-def copy_into(src: torch.Tensor, *, out: torch.Tensor) -> None:
-    out.copy_(src)
-
-
-COPY_INTO = copy_into
-
-
-@step_ops.step_op("fsdp_compile::zero_into", "(Tensor(a!) out, SymInt[] starts, SymInt[] ends) -> ()", _no_output)
-def zero_into(out: torch.Tensor, starts: list[int], ends: list[int]) -> None:
-    """Zero ``out[start:end]`` for each (start, end)."""
-    for start, end in zip(starts, ends):
-        out[start:end].zero_()
-
-
-ZERO_INTO = zero_into
-
-
 @dataclass(frozen=True)
-class InPlaceGradients:
+class InPlaceGradientsPlan:
     units: tuple[tuple[str, tuple[tuple[str, int, int], ...]], ...]
     """(the flat gradient's node, its pieces: (node, start, end) in the flat gradient), per unit."""
     matmuls: int
@@ -133,7 +118,7 @@ def _product(piece: fx.Node) -> fx.Node | None:
     return node if same and result.is_contiguous() else None
 
 
-def plan_in_place_gradients(graph: fx.Graph) -> InPlaceGradients:
+def plan_in_place_gradients(graph: fx.Graph) -> InPlaceGradientsPlan:
     units, matmuls, left = [], 0, []
     nodes = {n.name: n for n in graph.nodes}
     for reduction in graph.nodes:
@@ -150,10 +135,10 @@ def plan_in_place_gradients(graph: fx.Graph) -> InPlaceGradients:
             continue
         units.append((flat.name, pieces))
         matmuls += sum(_product(nodes[name]) is not None for name, _, _ in pieces)
-    return InPlaceGradients(units=tuple(units), matmuls=matmuls, left=tuple(left))
+    return InPlaceGradientsPlan(units=tuple(units), matmuls=matmuls, left=tuple(left))
 
 
-def write_gradients_in_place(gm: fx.GraphModule, plan: InPlaceGradients) -> None:
+def apply_in_place_gradients(gm: fx.GraphModule, plan: InPlaceGradientsPlan) -> None:
     graph = gm.graph
     position = {n: i for i, n in enumerate(graph.nodes)}
     nodes = {n.name: n for n in graph.nodes}
@@ -204,5 +189,5 @@ class WriteGradientsInPlace(GraphPass):
 
     name = "write_gradients_in_place"
     plan = staticmethod(plan_in_place_gradients)
-    apply = staticmethod(write_gradients_in_place)
+    apply = staticmethod(apply_in_place_gradients)
 

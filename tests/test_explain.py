@@ -35,7 +35,7 @@ STAGE_FILES = [
     *(f"{stage}_{name}" for stage in ("forward", "backward") for name in (
         "schedule_overlap_before.py", "schedule_overlap_plan.json", "schedule_overlap_after.py",
         "write_gradients_in_place_before.py", "write_gradients_in_place_plan.json",
-        "write_gradients_in_place_after.py", "memory_before.py", "memory_plan.json", "memory_after.py",
+        "write_gradients_in_place_after.py", "plan_memory_before.py", "plan_memory_plan.json", "plan_memory_after.py",
         "inductor_post_grad_graph.py", "inductor_output_code.py")),
 ]
 """The files of one compiled graph, in the order they are logged (each numbered NN_ in front)."""

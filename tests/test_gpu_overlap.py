@@ -155,7 +155,7 @@ def _profile(rank: int, world_size: int, out: str) -> None:
     allocated = {name: memory[name]["peak_mib"] - memory[name]["slabs_mib"] for name in memory}
     assert allocated["copy_engine_exchange"] <= allocated["copy_engine"], memory
     # Written in place, a unit's flat gradient exists from its first matmul on (packed, from the pack on): where
-    # the peak is the start of backward, at most one block's bf16 gradient more (README, gradients_in_place).
+    # the peak is the start of backward, at most one block's bf16 gradient more (docs/api.md, gradients_in_place).
     with torch.device("meta"):
         block_mib = sum(p.numel() for p in Block(MEDIUM).parameters()) * 2 / 2**20
     assert memory["on"]["peak_mib"] <= memory["packed"]["peak_mib"] + block_mib, (memory, block_mib)

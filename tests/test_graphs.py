@@ -12,11 +12,11 @@ from torch._dynamo.utils import counters
 
 import fsdp_compile
 from fsdp_compile import explain
-from fsdp_compile._ops import cast_all_gather_differentiable
 from fsdp_compile.passes.insert_collectives import is_marker
 from fsdp_compile.passes.schedule_overlap import plan_overlap
+from fsdp_compile.runtime.ops import cast_all_gather_differentiable
 from fsdp_compile.testing.graphs import compile_and_capture
-from fsdp_compile.testing.llama import LLAMA_TESTS, LlamaConfig, save_matmuls
+from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama, LlamaConfig, save_matmuls
 
 N_UNITS = LLAMA_TESTS.n_layers + 1  # one per block + the root (embedding tied with output, final norm)
 _c10d = torch.ops._c10d_functional
@@ -233,3 +233,56 @@ def test_selective_checkpointing_saves_the_matmuls_not_the_gathered_parameters()
     matmuls = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
     plain = _graphs("aot_eager", fsdp_compile.MixedPrecision())
     assert _count(selective["backward"], matmuls) == _count(plain["backward"], matmuls) > 0
+
+
+def _plans_of_steps(orders: tuple[str, ...]) -> dict[str, list[tuple[str, str]]]:
+    """Each named model's pass plans (artifact name, JSON) when the models' steps interleave in one process: every
+    forward (in ``orders``' order), then every backward (AOTAutograd compiles a backward at its first call)."""
+    import logging
+
+    from fsdp_compile._internals import COMPILE_AFRESH, inductor_config, trace_log
+
+    configs = {"tests": LLAMA_TESTS, "tiny": dataclasses.replace(LLAMA_TESTS, dim=48, n_layers=3, ffn_dim=64)}
+    plans: dict[str, list[tuple[str, str]]] = {name: [] for name in orders}
+    current: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            name = getattr(record, "metadata", {}).get("artifact", {}).get("name", "")
+            if name.endswith("_plan"):
+                plans[current[-1]].append((name, record.payload))  # type: ignore[attr-defined]
+
+    torch._dynamo.reset()
+    losses = {}
+    handler = Collect()
+    trace_log.addHandler(handler)
+    try:
+        with inductor_config.patch(COMPILE_AFRESH):
+            for name in orders:
+                torch.manual_seed(0)
+                cfg = configs[name]
+                mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                model = fsdp_compile.shard(Llama(cfg), units=[Block], mp=mp)
+                compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), dynamic=False)
+                tokens = torch.randint(0, cfg.vocab_size, (2, 8))
+                current.append(name)
+                losses[name] = compiled(tokens, tokens)
+            for name in orders:
+                current.append(name)
+                losses[name].backward()
+    finally:
+        trace_log.removeHandler(handler)
+    return plans
+
+
+def test_two_models_compiled_in_one_process_get_the_plans_each_gets_alone(fake_pg: None) -> None:
+    """No pass keeps state between compiles (the memory plan keeps a forward's buffers for its backward in the
+    step's own pass object): two models whose forwards and backwards interleave, in either order, get the plans
+    each gets alone."""
+    alone = {name: _plans_of_steps((name,))[name] for name in ("tests", "tiny")}
+    assert all(len({n for n, _ in plans}) >= 4 for plans in alone.values()), alone  # overlap, memory, ... plans
+    assert alone["tests"] != alone["tiny"]
+    for orders in (("tests", "tiny"), ("tiny", "tests")):
+        together = _plans_of_steps(orders)
+        for name in orders:
+            assert together[name] == alone[name], (orders, name)

@@ -1,4 +1,4 @@
-"""lower_to_symm_mem at graph level (CPU, fake process group, the scheduled AOT graphs under aot_eager).
+"""lower_to_copy_engines at graph level (CPU, fake process group, the scheduled AOT graphs under aot_eager).
 Copy-engine all-gathers need GPUs to run: ``test_parity_nccl_inductor[...-copy_engine]`` checks their
 numerics and ``tests/test_gpu_overlap.py`` that they run on copy engines, beside compute."""
 
@@ -14,9 +14,10 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import fsdp_compile
 from fsdp_compile._internals import MissingTorchFeature, symm_mem
-from fsdp_compile._write_slots import slot_hazards
 from fsdp_compile.lowering.choose_route import RouteChoice, choose_route
-from fsdp_compile.lowering.lower_to_symm_mem import SymmMemPlan, apply_symm_mem, plan_symm_mem
+from fsdp_compile.lowering.lower_to_copy_engines import CopyEnginesPlan, apply_copy_engines, plan_copy_engines
+from fsdp_compile.passes._graph import EXCHANGE
+from fsdp_compile.passes._write_slots import slot_hazards
 from fsdp_compile.testing.graphs import compile_and_capture, slotted_exchanges
 from fsdp_compile.testing.llama import LLAMA_TESTS
 
@@ -53,8 +54,8 @@ def test_each_all_gather_becomes_a_copy_engine_all_gather_in_its_place(scheduled
     before = [(n.name, n.target, n.args) for n in gm.graph.nodes]
     gathers = tuple(n.name for n in gm.graph.nodes if n.target == AG)
     assert len(gathers) == N_UNITS
-    # plan_symm_mem refuses CPU graphs (below); the transformation itself is device-independent.
-    apply_symm_mem(gm, SymmMemPlan(gathers=gathers, workspace_bytes=1234))
+    # plan_copy_engines refuses CPU graphs (below); the transformation itself is device-independent.
+    apply_copy_engines(gm, CopyEnginesPlan(gathers=gathers, workspace_bytes=1234))
     after = [(n.name, n.target, n.args) for n in gm.graph.nodes]
     assert [name for name, _, _ in after] == [name for name, _, _ in before]  # nothing moved
     for (name, target, args), (_, new_target, new_args) in zip(before, after):
@@ -74,7 +75,7 @@ def test_each_all_gather_into_a_slot_becomes_a_copy_engine_one_in_its_place(slot
     into = [n.name for n in gm.graph.nodes if n.target == INTO_SLOT]
     assert len(into) == N_UNITS
     expected = _waits_on_events(gm, into)
-    apply_symm_mem(gm, SymmMemPlan(gathers=(), workspace_bytes=0, into_slots=tuple(into)))
+    apply_copy_engines(gm, CopyEnginesPlan(gathers=(), workspace_bytes=0, into_slots=tuple(into)))
     assert _targets_and_args(gm) == expected  # nothing else changed or moved
     assert [n.name for n in gm.graph.nodes if n.target == CE_INTO] == into
     for node in gm.graph.nodes:
@@ -108,7 +109,7 @@ def _waits_on_events(gm: fx.GraphModule, lowered: list[str]) -> list[tuple]:
 def test_plan_refuses_all_gathers_off_cuda(scheduled: dict) -> None:
     message = r"all_gather='copy_engine' needs all-gathers of CUDA tensors .* run on cpu: use all_gather='nccl'"
     with pytest.raises(ValueError, match=message):
-        plan_symm_mem(scheduled["forward"].graph)
+        plan_copy_engines(scheduled["forward"].graph)
 
 
 def test_backend_with_copy_engine_all_gathers_refuses_cpu_at_compile_time() -> None:
@@ -126,7 +127,7 @@ def test_each_exchange_into_a_slot_becomes_a_copy_engine_one_in_its_place(slotte
     exchanges = [n.name for n in gm.graph.nodes if n.target == EXCHANGE_INTO]
     assert len(exchanges) == N_UNITS  # bf16 gradients, fp32 sums: every unit exchanges
     expected = _waits_on_events(gm, exchanges)
-    apply_symm_mem(gm, SymmMemPlan(gathers=(), workspace_bytes=0, exchanges=tuple(exchanges)))
+    apply_copy_engines(gm, CopyEnginesPlan(gathers=(), workspace_bytes=0, exchanges=tuple(exchanges)))
     assert _targets_and_args(gm) == expected  # nothing else changed or moved
     assert [n.name for n in gm.graph.nodes if n.target == CE_EXCHANGE] == exchanges
     assert not [n for n in gm.graph.nodes if n.target == CE_INTO]  # the all-gathers: not asked for
@@ -230,7 +231,7 @@ def _workspace_grown_mid_step(rank: int, world_size: int) -> None:
     import torch.distributed as dist
     from torch._dynamo.utils import counters
 
-    from fsdp_compile.lowering.lower_to_symm_mem import all_gather_copy_engine
+    from fsdp_compile.runtime.copy_engine import all_gather_copy_engine
 
     group = dist.group.WORLD.group_name
     counters.clear()
@@ -293,11 +294,12 @@ def test_cuda_graph_compiles_keep_inductors_caches() -> None:
     """Every route under CUDA graphs keeps Inductor's caches: a graph loaded from them reserves its slab at its
     first run on a thread of its own, out of the CUDA graphs' pool (``_internals.outside_graph_pools``; run by
     ``tests/test_gpu_exit.py``, its second run)."""
-    from fsdp_compile._backend import _inductor_settings
+    from fsdp_compile._backend import _fixed_routes, _inductor_settings, _post_grad_passes
     from fsdp_compile.config import BackendConfig
 
     for options in ({}, {"all_gather": "copy_engine"}, {"grad_reduce": "copy_engine"}):
-        settings = _inductor_settings(BackendConfig(cudagraphs=True, **options))
+        config = BackendConfig(cudagraphs=True, **options)
+        settings = _inductor_settings(config, _post_grad_passes(config, _fixed_routes(config)))
         assert not {"force_disable_caches", "fx_graph_cache"} & set(settings), settings
 
 
@@ -315,8 +317,12 @@ def test_an_exchange_without_a_slot_stays_on_nccl_and_is_counted(scheduled: dict
     from torch._dynamo.utils import counters
 
     counters.clear()
-    plan = plan_symm_mem(scheduled["backward"].graph, all_gather=False, grad_reduce=True)
-    assert plan == SymmMemPlan(gathers=(), workspace_bytes=0)
+    backward = scheduled["backward"]
+    plan = plan_copy_engines(backward.graph, all_gather=False, grad_reduce=True)
+    exchanges = tuple(n.name for n in backward.graph.nodes if n.target == EXCHANGE)
+    assert exchanges and plan == CopyEnginesPlan(gathers=(), workspace_bytes=0, left_on_nccl=exchanges)
+    assert counters["fsdp_compile"]["copy_engine_exchanges_left_on_nccl"] == 0  # a plan says nothing
+    apply_copy_engines(backward, plan)
     assert counters["fsdp_compile"]["copy_engine_exchanges_left_on_nccl"] == 1
 
 
@@ -326,7 +332,7 @@ def _slab_barriers(rank: int, world_size: int) -> None:
     number of barriers; a barrier under CUDA-graph capture is the kernel (the counters do not move)."""
     import torch.distributed as dist
 
-    from fsdp_compile import _slots
+    from fsdp_compile.runtime import slots as _slots
 
     group, device = dist.group.WORLD.group_name, torch.device("cuda", rank)
     slab = _slots.reserve_slab(group, device, 4096, symmetric=True, keep_old=False)
@@ -451,10 +457,10 @@ def test_copy_engine_collectives_are_driver_calls_on_the_side_stream(monkeypatch
     import contextlib
     from types import SimpleNamespace
 
-    from fsdp_compile import _slots
     from fsdp_compile._internals import cuda_driver
-    from fsdp_compile.lowering import _streams
-    from fsdp_compile.lowering.lower_to_symm_mem import copy_between_slabs
+    from fsdp_compile.runtime import slots as _slots
+    from fsdp_compile.runtime import streams as _streams
+    from fsdp_compile.runtime.copy_engine import copy_between_slabs
 
     calls: list[tuple] = []
     for name in ("copy", "record", "wait_event"):

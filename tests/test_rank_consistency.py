@@ -3,7 +3,6 @@ difference, instead of hanging until the transport times out (gloo ranks)."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import os
 import time
@@ -74,15 +73,17 @@ def test_on_nccl_too_a_rank_with_an_extra_layer_fails_at_once_not_after_the_watc
 
 def _auto_chooses_per_rank(rank: int, world_size: int) -> None:
     from fsdp_compile import _backend
+    from fsdp_compile.lowering.choose_route import RouteChoice, Routes
 
-    def choose(gm: object, plan: object, config: BackendConfig) -> BackendConfig:  # as peer access might
-        return dataclasses.replace(config, all_gather="copy_engine" if rank == 0 else "nccl", grad_reduce="nccl")
+    def choose(gm: object, plan: object, config: BackendConfig) -> Routes:  # as peer access might
+        route = "copy_engine" if rank == 0 else "nccl"
+        return Routes(route, "nccl", chosen=(("all_gather", RouteChoice(route, "peer access on rank 0 only")),))
 
     model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager", all_gather="auto"))
     tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, 9))
     start = time.monotonic()
-    with pytest.raises(BackendCompilerFailed) as error, mock.patch.object(_backend, "_choose_routes", choose):
+    with pytest.raises(BackendCompilerFailed) as error, mock.patch.object(_backend, "_resolve_routes", choose):
         run(tokens[:, :-1], tokens[:, 1:])
     assert time.monotonic() - start < FAIL_WITHIN_S
     message = str(error.value)

@@ -1,6 +1,6 @@
 """Recompiles (gloo ranks, float64 against the unsharded model): a new batch size or sequence length,
 train -> eval -> train, ``torch.no_grad()`` evaluation. Each case gives the reference's results and
-compiles a bounded number of graphs (the counts README's "Recompiles" documents); a long run stays flat in
+compiles a bounded number of graphs (the counts docs/api.md's "Recompiles" documents); a long run stays flat in
 memory (soak, slow)."""
 
 from __future__ import annotations

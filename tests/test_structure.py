@@ -1,6 +1,7 @@
 """The repository's structure holds: the design card's layout (top-level passes/ and lowering/, installed as
 fsdp_compile.passes and fsdp_compile.lowering only), no import cycle between library modules, torch
-internals used in one package only, and small modules."""
+internals used in one package only, docs/architecture.md's module map lists every module, and each module
+imports only from its own layer or the layers below it (the map's layer column)."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ PACKAGES = {
 }
 """Where each library package's files are (pyproject.toml's package-dir)."""
 INTERNALS = "fsdp_compile._internals"
-MAX_LINES = 300
+LAYERS = ("internals", "base", "runtime", "model", "passes", "lowering", "backend", "api", "testing")
+"""The module map's layers, lowest first: a module may import from its own layer and the ones before it."""
+FOLDERS = {"fsdp_compile/_internals/", "fsdp_compile/testing/"}
+"""Folders the module map lists as one row (their modules share its layer)."""
 
 
 def _library() -> dict[str, Path]:
@@ -160,9 +164,47 @@ def test_only_the_internals_module_uses_torch_internals() -> None:
     assert _torch_internals_used(INTERNALS, LIBRARY[INTERNALS]), "the scan finds nothing in the internals module"
 
 
-def test_no_library_module_is_long() -> None:
-    long = {name: n for name, path in LIBRARY.items() if (n := len(path.read_text().splitlines())) > MAX_LINES}
-    assert not long, f"split these modules (over {MAX_LINES} lines): {long}"
+def _module_map() -> dict[str, str]:
+    """docs/architecture.md's module map: file or folder (as the map writes it) -> layer."""
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    section = text[text.index("## Module map") :]
+    section = section[: section.index("\n## ", 1)]
+    rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| `")]
+    return {path.strip().strip("`"): layer.strip() for layer, path in ((r[1], r[0]) for r in rows)}
+
+
+def _file_of(name: str) -> str:
+    """A module's file as the map writes it: ``passes/x.py`` for ``fsdp_compile.passes.x``."""
+    return LIBRARY[name].relative_to(ROOT).as_posix()
+
+
+def _layer_of(name: str, rows: dict[str, str]) -> str | None:
+    path = _file_of(name)
+    folder = next((f for f in FOLDERS if path.startswith(f)), None)
+    return rows.get(folder or path)
+
+
+def test_the_module_map_lists_every_module_once_and_nothing_else() -> None:
+    rows = _module_map()
+    files = {_file_of(name) for name in LIBRARY}
+    listed = {path for path in rows if path not in FOLDERS}
+    assert not files - listed - {f for f in files if f.startswith(tuple(FOLDERS))}, sorted(files - listed)
+    assert not listed - files, f"the module map lists files that do not exist: {sorted(listed - files)}"
+    assert set(rows.values()) <= set(LAYERS), f"layers not in {LAYERS}: {set(rows.values()) - set(LAYERS)}"
+    assert len(rows) > 40, "the map's parser sees too few rows"
+
+
+def test_each_module_imports_only_from_its_layer_or_below() -> None:
+    rows = _module_map()
+    assert all(_layer_of(name, rows) in LAYERS for name in LIBRARY), "a module without a layer: see the map's test"
+    rank = {layer: i for i, layer in enumerate(LAYERS)}
+    upward = sorted(
+        f"{name} ({_layer_of(name, rows)}) imports {imported} ({_layer_of(imported, rows)})"
+        for name, imports in _library_edges().items()
+        for imported in imports
+        if rank[_layer_of(imported, rows)] > rank[_layer_of(name, rows)]
+    )
+    assert not upward, "imports from a higher layer:\n" + "\n".join(upward)
 
 
 @pytest.mark.slow
@@ -187,9 +229,10 @@ def test_the_wheel_installs_passes_and_lowering_inside_the_package(tmp_path: Pat
     assert tops == {"fsdp_compile"}, tops
     for module in (
         "fsdp_compile/passes/schedule_overlap.py",
-        "fsdp_compile/lowering/lower_to_symm_mem.py",
+        "fsdp_compile/lowering/lower_to_copy_engines.py",
         "fsdp_compile/_internals/__init__.py",
         "fsdp_compile/testing/llama.py",
+        "fsdp_compile/lowering/route_measurements.json",
     ):
         assert module in files, module
     expected = {

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import fsdp_compile
-from fsdp_compile._graph import GRAD_REDUCTIONS
+from fsdp_compile.passes._graph import GRAD_REDUCTIONS
 from fsdp_compile.passes.write_gradients_in_place import COPY_INTO, MM_INTO, ZERO_INTO
 from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.graphs import compile_and_capture

@@ -1,4 +1,4 @@
-"""What the failure channels (``fsdp_compile._channel``, ``fsdp_compile._watch``) use of torch's internals: a process
+"""What the failure channels (``fsdp_compile.runtime.channel``, ``fsdp_compile._watch``) use of torch's internals: a process
 group's count of collectives, its registration and abort, and the autograd engine's callbacks and thread."""
 
 from __future__ import annotations

@@ -58,14 +58,14 @@ def compile_and_capture(
 
 @contextmanager
 def memory_plans() -> Iterator[list[dict]]:
-    """The ``fsdp_compile_memory_plan`` artifacts logged meanwhile, parsed. Graphs compiled meanwhile skip
+    """The ``fsdp_compile_plan_memory_plan`` artifacts logged meanwhile, parsed. Graphs compiled meanwhile skip
     Inductor's caches (a cached graph runs no pass and logs no plan)."""
     plans: list[dict] = []
 
     class Collect(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             artifact = getattr(record, "metadata", {}).get("artifact", {})
-            if artifact.get("name") == "fsdp_compile_memory_plan":
+            if artifact.get("name") == "fsdp_compile_plan_memory_plan":
                 plans.append(json.loads(record.payload))  # type: ignore[attr-defined]
 
     handler = Collect()

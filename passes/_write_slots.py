@@ -1,18 +1,18 @@
 """The memory plan applied to a graph: each slot a ``fsdp_compile::slot`` node, each all-gather and gradient
 exchange written into a view of its slot (``write_into_slots``), and the check that no slot is written while
-its previous occupant can still be read (``slot_hazards``). The slabs and the ops: ``fsdp_compile._slots``."""
+its previous occupant can still be read (``slot_hazards``). The slabs and the ops: ``fsdp_compile.runtime.slots``."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
-from fsdp_compile import _internals
-from fsdp_compile._graph import ALL_GATHER, CASTS, EXCHANGE, call_with_value, lint_and_recompile
-from fsdp_compile._liveness import last_read, slotted_numel
-from fsdp_compile._slots import EXCHANGE_INTO_SLOT, INTO_SLOT, SLOT, WAIT_EXCHANGE, reserve_slab
+from fsdp_compile.passes._graph import ALL_GATHER, CASTS, EXCHANGE, call_with_value, lint_and_recompile
+from fsdp_compile.passes._liveness import last_read, slotted_numel
+from fsdp_compile.runtime.slots import EXCHANGE_INTO_SLOT, INTO_SLOT, SLOT, WAIT_EXCHANGE, reserve_slab
 
 __all__ = ["SlotUse", "slot_hazards", "write_into_slots"]
 
@@ -30,13 +30,16 @@ class SlotUse:
     """The graph's collectives whose buffers the slot holds (all-gathers or exchanges), by node name."""
 
 
-def write_into_slots(gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: bool, keep_old: bool) -> None:
+def write_into_slots(
+    gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: bool, keep_old: bool, ranks: Mapping[str, int]
+) -> None:
     """Each slot becomes one ``slot`` node at the graph's start; each of its collectives writes into a view of
     it (``all_gather_into_slot``, ``exchange_into_slot``), which Inductor lowers as a mutation of the slot: it
     runs after every earlier read of the slot, and no such read moves past it. An all-gather's
     ``wait_tensor`` waits for the view; an exchange's becomes ``wait_exchange``. Where the shard was cast to
     ``param_dtype`` just for the all-gather, the op takes the uncast shard (the cast writes into the slot).
-    Reserves the slabs (a collective for symmetric ones: ``symmetric`` puts CUDA slabs in symmetric memory)."""
+    Reserves the slabs (a collective for symmetric ones: ``symmetric`` puts CUDA slabs in symmetric memory).
+    ``ranks``: this process's rank in each group, by name (an exchange's own part stays in the gradient)."""
     graph = gm.graph
     nodes = {n.name: n for n in graph.nodes}
     for use in uses:
@@ -54,7 +57,10 @@ def write_into_slots(gm: fx.GraphModule, uses: tuple[SlotUse, ...], symmetric: b
         for collective in collectives:
             with graph.inserting_before(collective):
                 out = call_with_value(graph, torch.ops.aten.slice.Tensor, slot_node, 0, 0, slotted_numel(collective))
-            (_write_exchange if collective.target == EXCHANGE else _write_gather)(graph, collective, out)
+            if collective.target == EXCHANGE:
+                _write_exchange(graph, collective, out, ranks[use.group])
+            else:
+                _write_gather(graph, collective, out)
         reserve_slab(use.group, value.device, use.slab_bytes, symmetric_here, keep_old)
     lint_and_recompile(gm)
 
@@ -68,14 +74,14 @@ def _write_gather(graph: fx.Graph, gather: fx.Node, out: fx.Node) -> None:
     gather.replace_all_uses_with(out)  # its wait_tensor
 
 
-def _write_exchange(graph: fx.Graph, exchange: fx.Node, out: fx.Node) -> None:
+def _write_exchange(graph: fx.Graph, exchange: fx.Node, out: fx.Node, rank: int) -> None:
     """The exchange writes the peers' parts into ``out``; the local sum of the parts (``all_to_all_avg``'s: a
     view as ``[world, part]``, elementwise casts and scalings, a sum over the parts) then reads those from
     ``out`` and this rank's own from the gradient, in rank order as before (the same rounding): the slot holds
     ``world - 1`` parts, and no copy of the own part is made. The rank is a constant of the graph
     (``PlanMemory.options`` keys Inductor's caches by it)."""
     gradient, splits, _, group_name = exchange.args
-    world, rank = len(splits), _internals.group_named(group_name).rank()
+    world = len(splits)
     (wait,) = exchange.users
     exchange.target, exchange.meta["val"] = EXCHANGE_INTO_SLOT, None
     exchange.args, exchange.kwargs = (gradient, world, group_name), {"out": out}

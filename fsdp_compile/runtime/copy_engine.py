@@ -1,17 +1,8 @@
-"""Lower the units' all-gathers (and, with ``grad_reduce``, their gradient exchanges) to copy engines.
+"""The copy-engine collectives: all-gathers and gradient exchanges whose bytes the GPU's copy engines move
+(peer-to-peer memcpy over NVLink or PCIe), with no SM held while they run. ``lowering/lower_to_copy_engines.py`` puts
+them into graphs.
 
-Precondition: a post-grad forward or backward graph (after ``schedule_overlap`` and ``plan_memory``) whose
-all-gathers run on CUDA tensors: into a slot of the group's symmetric slab (``fsdp_compile.all_gather_into_slot``,
-the memory plan applied) or into a buffer of their own (``_c10d_functional.all_gather_into_tensor`` ->
-``wait_tensor``: the plan not applied, or an output kept for backward).
-Postcondition: an all-gather into a slot is ``fsdp_compile.all_gather_into_slot_copy_engine``, with the same
-arguments, and its ``wait_tensor(out)`` is ``fsdp_compile.wait_copy_engine(out, None)`` (its readers read
-``out``). Any other all-gather is ``fsdp_compile.all_gather_copy_engine``, with the graph's largest shard in
-bytes (its staging workspace) as one more argument. With ``grad_reduce``, a gradient exchange into a slot
-(``fsdp_compile.exchange_into_slot``) is ``fsdp_compile.exchange_into_slot_copy_engine``, with the same
-arguments, and its ``wait_exchange(out, gradient)`` is ``wait_copy_engine(out, gradient)``. Nothing moves.
-
-Why: NCCL's all-gather kernels hold SMs while they run, and the matmuls that the overlap
+NCCL's all-gather kernels hold SMs while they run, and the matmuls that the overlap
 schedule puts beside them run slower for it (NCCL's all-to-alls in backward too). A copy-engine collective
 moves the bytes with the GPU's copy engines (peer-to-peer memcpy over NVLink), and into a slot uses no SM: its
 two barriers are the driver's stream memory operations (``Slab.barrier``: the GPU's front end waits for the
@@ -41,7 +32,7 @@ workspace is allocated when the backend compiles (``reserve_workspace``), sized 
 does not grow while all-gathers are in flight, nor inside a CUDA graph's memory pool. Where it must grow (a
 later graph with a larger shard), the call first waits for the GPU to finish. Allocation is a collective:
 every rank calls the all-gathers in the same order. Needs a CUDA build of torch with symmetric memory and
-GPUs that can map each other's memory (NVLink or PCIe peer access); ``plan_symm_mem`` raises for
+GPUs that can map each other's memory (NVLink or PCIe peer access); ``plan_copy_engines`` raises for
 all-gathers on other devices.
 """
 
@@ -49,37 +40,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx as fx
 
 from fsdp_compile import _internals
 from fsdp_compile._internals import cuda_driver, step_ops, symm_mem
-from fsdp_compile._graph import ALL_GATHER, EXCHANGE, WAIT, GraphPass, lint_and_recompile, named, plan_json
-from fsdp_compile._slots import (
-    EXCHANGE_INTO_SLOT,
-    INTO_SLOT,
-    INTO_SLOT_SCHEMA,
-    WAIT_EXCHANGE,
-    Slab,
-    into_slot_fake,
-    ring_order,
-    slab_of,
-)
 from fsdp_compile.debug import degraded
-from fsdp_compile.lowering._streams import WAIT_COPY_ENGINE, copy_in_turn, fork_side, on_side_stream, record_done
+from fsdp_compile.runtime.slots import INTO_SLOT_SCHEMA, Slab, into_slot_fake, ring_order, slab_of
+from fsdp_compile.runtime.streams import copy_in_turn, fork_side, on_side_stream, record_done
 
 __all__ = [
-    "LowerToSymmMem",
-    "SymmMemPlan",
     "all_gather_copy_engine",
     "all_gather_into_slot_copy_engine",
-    "apply_symm_mem",
     "copy_between_slabs",
     "exchange_into_slot_copy_engine",
-    "plan_symm_mem",
     "reserve_workspace",
     "workspace_nbytes",
 ]
@@ -105,7 +80,7 @@ def reserve_workspace(group_name: str, nbytes: int) -> Any:
     if nbytes > _workspace_bytes.get(group_name, 0):
         if group_name in _workspace_bytes:
             log.warning(
-                "lower_to_symm_mem: the symmetric workspace of group %s grows from %d to %d bytes: waiting for "
+                "lower_to_copy_engines: the symmetric workspace of group %s grows from %d to %d bytes: waiting for "
                 "the GPU first (torch.cuda.synchronize)", group_name, _workspace_bytes[group_name], nbytes
             )
             _internals.counters["fsdp_compile"]["symm_mem_workspace_regrowths"] += 1
@@ -194,95 +169,3 @@ def exchange_into_slot_copy_engine(gradient: torch.Tensor, group_size: int, grou
             f"{group_size} parts of {part} bytes each, the slot's {group_size - 1} parts (peers' parts)"
         )
     copy_between_slabs(slab, [(theirs, start + peer * part, part) for peer, theirs, _ in pushes], out)
-
-
-@dataclass(frozen=True)
-class SymmMemPlan:
-    gathers: tuple[str, ...]
-    """The all-gathers into buffers of their own, lowered to copy engines through the workspace, in graph order."""
-    workspace_bytes: int
-    """Their largest shard: the symmetric workspace each rank needs."""
-    into_slots: tuple[str, ...] = ()
-    """The all-gathers into slots, lowered to copy engines with no staging, in graph order."""
-    exchanges: tuple[str, ...] = ()
-    """The gradient exchanges into slots, lowered to copy engines (pushes into the peers' slots), in graph order."""
-
-    def to_json(self) -> str:
-        return plan_json(self)
-
-    def summary(self) -> str:
-        total = len(self.gathers) + len(self.into_slots)
-        return (f"{total} all-gathers on copy engines ({len(self.into_slots)} into slots), "
-                f"{len(self.exchanges)} gradient exchanges")
-
-
-def plan_symm_mem(graph: fx.Graph, all_gather: bool = True, grad_reduce: bool = False) -> SymmMemPlan:
-    """What to lower: the all-gathers (``all_gather``), the gradient exchanges (``grad_reduce``)."""
-    gathers = [n for n in graph.nodes if n.target == ALL_GATHER] if all_gather else []
-    into_slots = [n for n in graph.nodes if n.target == INTO_SLOT] if all_gather else []
-    exchanges = [n for n in graph.nodes if n.target == EXCHANGE_INTO_SLOT] if grad_reduce else []
-    unslotted = [n.name for n in graph.nodes if n.target == EXCHANGE] if grad_reduce else []
-    if unslotted:
-        degraded("copy_engine_exchanges_left_on_nccl", f"grad_reduce='copy_engine' pushes each gradient exchange "
-                 f"into the peers' planned slots, but {', '.join(unslotted)} has none (a size known only at run "
-                 "time: dynamic shapes): it stays on NCCL")
-    routed = (("all_gather", "all-gathers", gathers + into_slots), ("grad_reduce", "gradient exchanges", exchanges))
-    for option, what, nodes in routed:
-        elsewhere = sorted({n.args[0].meta["val"].device.type for n in nodes} - {"cuda"})
-        if elsewhere:
-            raise ValueError(
-                f"{option}='copy_engine' needs {what} of CUDA tensors (peer copies between GPUs), but this graph's "
-                f"run on {', '.join(elsewhere)}: use {option}='nccl' there"
-            )
-    own = [n.args[0].meta["val"] for n in gathers]
-    return SymmMemPlan(
-        gathers=tuple(ag.name for ag in gathers),
-        workspace_bytes=workspace_nbytes((s.numel(), s.dtype) for s in own),
-        into_slots=tuple(ag.name for ag in into_slots),
-        exchanges=tuple(n.name for n in exchanges),
-    )
-
-
-def apply_symm_mem(gm: fx.GraphModule, plan: SymmMemPlan) -> None:
-    gathers = named(gm.graph, plan.gathers)
-    for group_name in sorted({str(n.args[2]) for n in gathers if n.args[0].meta["val"].is_cuda}):
-        reserve_workspace(group_name, plan.workspace_bytes)  # done already unless the memory plan is applied
-    for node in gathers:
-        node.target = torch.ops.fsdp_compile.all_gather_copy_engine.default
-        node.args = (*node.args, plan.workspace_bytes)
-    for node in named(gm.graph, plan.into_slots):
-        node.target = torch.ops.fsdp_compile.all_gather_into_slot_copy_engine.default
-        _wait_for_event(gm.graph, node)
-    for node in named(gm.graph, plan.exchanges):
-        node.target = torch.ops.fsdp_compile.exchange_into_slot_copy_engine.default
-        _wait_for_event(gm.graph, node)
-    lint_and_recompile(gm)
-
-
-def _wait_for_event(graph: fx.Graph, collective: fx.Node) -> None:
-    """The wait of a collective into a slot (``wait_tensor(out)``, ``wait_exchange(out, gradient)``) becomes
-    ``wait_copy_engine(out, gradient or None)``; what read the wait's result reads ``out``."""
-    out = collective.kwargs["out"]
-    (wait,) = (user for user in out.users if user.target in (WAIT, WAIT_EXCHANGE))
-    with graph.inserting_before(wait):
-        graph.call_function(WAIT_COPY_ENGINE, (out, wait.args[1] if wait.target == WAIT_EXCHANGE else None))
-    wait.replace_all_uses_with(out)
-    graph.erase_node(wait)
-
-
-class LowerToSymmMem(GraphPass):
-    """The lowering as part of Inductor's ``post_grad_custom_post_pass`` (after ``plan_memory``): the
-    all-gathers (``all_gather``) and the gradient exchanges (``grad_reduce``) go to copy engines."""
-
-    name = "lower_to_symm_mem"
-    apply = staticmethod(apply_symm_mem)
-
-    def __init__(self, *, all_gather: bool = True, grad_reduce: bool = False) -> None:
-        self.all_gather = all_gather
-        self.grad_reduce = grad_reduce
-
-    def options(self) -> str:
-        return f"all_gather={self.all_gather} grad_reduce={self.grad_reduce}"
-
-    def plan(self, graph: fx.Graph) -> SymmMemPlan:
-        return plan_symm_mem(graph, self.all_gather, self.grad_reduce)

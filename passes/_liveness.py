@@ -14,8 +14,8 @@ from typing import Literal
 
 import torch.fx as fx
 
-from fsdp_compile._graph import ALL_GATHER, EXCHANGE, GRAD_REDUCTIONS, WAIT, has_symbolic_size, nbytes, wait_of
 from fsdp_compile._internals import is_view_op
+from fsdp_compile.passes._graph import ALL_GATHER, EXCHANGE, GRAD_REDUCTIONS, WAIT, has_symbolic_size, nbytes, wait_of
 
 __all__ = ["Buffer", "ForwardBuffers", "Kind", "forward_buffers", "last_read", "slotted_numel", "step_buffers"]
 

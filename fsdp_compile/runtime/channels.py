@@ -1,4 +1,4 @@
-"""The failure channels of this process (``fsdp_compile._channel``): one per process group a sharded model runs over,
+"""The failure channels of this process (``runtime.channel``): one per process group a sharded model runs over,
 found by the group or by its name; and what the process does when it ends: an uncaught exception departs its
 groups' steps (the other ranks then raise at once, naming it), and a process that ends says so in its heartbeat
 (it is not taken for dead)."""
@@ -17,8 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from fsdp_compile._channel import Channel, helper_waits, watchers
 from fsdp_compile._internals import failures
+from fsdp_compile.runtime.channel import Channel, helper_waits, watchers
 
 __all__ = ["channel_named", "channel_of"]
 
@@ -88,7 +88,7 @@ def _end_now(group_names: list[str]) -> None:
     multi-rank model) do not
     run."""
     log.warning("fsdp_compile: ending the process (exit code 1) without the rest of the interpreter's shutdown: a "
-                "collective of process group %s is unfinished (README: Failures)", ", ".join(group_names))
+                "collective of process group %s is unfinished (docs/failures.md)", ", ".join(group_names))
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):  # closed, or replaced by an object without flush

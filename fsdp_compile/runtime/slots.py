@@ -2,7 +2,7 @@
 slots, the op ``fsdp_compile::slot`` hands a compiled graph one slot of it, and each all-gather and gradient
 exchange writes into its slot (``fsdp_compile::all_gather_into_slot``, ``fsdp_compile::exchange_into_slot``)
 instead of a buffer of its own ([Note: memory plan] in docs/architecture.md; how a graph gets them:
-``fsdp_compile._write_slots``).
+``fsdp_compile.passes._write_slots``).
 
 A slab is plain memory, or symmetric memory (``torch.distributed._symmetric_memory``, rendezvoused once) for
 the copy-engine routes, which read (all-gather) or write (exchange) the peers' slots. Every graph lays its
@@ -70,8 +70,9 @@ class Slab:
         driver's stream memory operations (``_internals.cuda_driver``), each rank writes the number of barriers it
         has reached into its counter in every peer's memory, then waits until every peer's counter in its own
         memory is as high: the GPU's front end waits, no SM does (symmetric memory's barrier kernel spins on one,
-        slowing the matmuls beside it: docs/measurements.md, "Barriers"). The barrier kernel while the current stream is being captured (a
-        CUDA graph would replay the same numbers) or without stream memory operations."""
+        slowing the matmuls beside it: docs/measurements.md, "Barriers"). The barrier kernel while the current
+        stream is being captured (a CUDA graph would replay the same numbers) or without stream memory
+        operations."""
         signals = self.signals
         if signals is None or torch.cuda.is_current_stream_capturing():
             with torch.cuda.stream(stream):

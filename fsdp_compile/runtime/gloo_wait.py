@@ -12,8 +12,8 @@ import weakref
 import torch
 
 from fsdp_compile import _internals
-from fsdp_compile._channel import Channel, helper_waits
-from fsdp_compile._channels import channel_named
+from fsdp_compile.runtime.channel import Channel, helper_waits
+from fsdp_compile.runtime.channels import channel_named
 
 __all__ = ["wait"]
 
@@ -48,7 +48,7 @@ def wait(tensor: torch.Tensor, group_name: str) -> bool:
 
 def _wait_loop(channel: weakref.ref[Channel], jobs: queue.SimpleQueue[_Job], group_name: str) -> None:
     """The helper thread: ``wait_tensor`` of each job, until the group is gone. While it waits, the group is in
-    ``helper_waits``: a process that ends then ends at once (``fsdp_compile._channels``)."""
+    ``helper_waits``: a process that ends then ends at once (``fsdp_compile.runtime.channels``)."""
     while (alive := channel()) is not None and alive.alive():
         del alive
         try:

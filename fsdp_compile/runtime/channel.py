@@ -38,7 +38,7 @@ _PREFIX = "fsdp_compile/failures/"
 watchers: set[threading.Thread] = set()
 """The watcher threads still running (those of destroyed groups end within ``POLL_S``): joined as the process ends."""
 helper_waits: set[str] = set()
-"""The groups (by name) whose gloo collective a helper thread waits for now (``fsdp_compile._gloo_wait``)."""
+"""The groups (by name) whose gloo collective a helper thread waits for now (``fsdp_compile.runtime.gloo_wait``)."""
 
 
 class Channel:
@@ -59,7 +59,7 @@ class Channel:
         """The round of departures this rank is in: it advances when every rank left a step at the same place."""
         self.cause: Departure | None = None
         self.waiting: int | None = None
-        """The collective (sequence number) the main thread waits for, if it waits (``fsdp_compile._gloo_wait``)."""
+        """The collective (sequence number) the main thread waits for, if it waits (``runtime.gloo_wait``)."""
         self.models: weakref.WeakSet[Any] = weakref.WeakSet()
         self._departed: set[int] = set()
         self._lock = threading.Lock()
@@ -131,7 +131,7 @@ class Channel:
         return RankFailed(
             f"fsdp_compile: {who}{cause.reason}. Rank {me} cannot complete the collectives of process group "
             f"{self.group_name!r} any more: restart every rank from the last checkpoint (torchrun --max-restarts=N; "
-            "README: Failures)",
+            "docs/failures.md)",
             rank=cause.rank,
             reason=cause.reason,
         )

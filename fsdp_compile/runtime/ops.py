@@ -27,13 +27,12 @@ from typing import Any, Literal
 
 import torch
 
-from fsdp_compile import _gloo_wait
 from fsdp_compile._internals import c10d_functional as _c10d
+from fsdp_compile.runtime import gloo_wait
 
 __all__ = [
     "GradReduction",
     "KEEP_GATHERED",
-    "UNIT",
     "all_gather_nograd",
     "all_reduce_avg",
     "all_to_all_avg",
@@ -52,16 +51,12 @@ KEEP_GATHERED = "fsdp_compile.keep_gathered"
 it becomes): the unit is not resharded after forward."""
 
 
-UNIT = "fsdp_compile.unit"
-"""Key in ``meta["custom"]`` of the nodes ``insert_collectives`` adds (tracing copies it onto the collectives
-they become, in forward and backward): the unit's fully qualified name, for graph dumps and plans."""
-
 
 def wait(tensor: torch.Tensor, group_name: str) -> torch.Tensor:
     """``wait_tensor`` of a functional collective's output. Run eagerly over gloo, where a wait in flight cannot be
     aborted, the group's failure channel waits instead: a failure on another rank ends it (``RankFailed``).
     Traced (compiled graphs), it is ``wait_tensor`` itself."""
-    if type(tensor) is torch.Tensor and tensor.device.type == "cpu" and _gloo_wait.wait(tensor, group_name):
+    if type(tensor) is torch.Tensor and tensor.device.type == "cpu" and gloo_wait.wait(tensor, group_name):
         return tensor
     return _c10d.wait_tensor(tensor)
 

@@ -58,7 +58,7 @@ def on_side_stream() -> Iterator[None]:
 
 def copy_in_turn(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
     """``dst.copy_(src)`` for every (dst, src) pair, one after another on the current (side) stream. The pairs
-    come in ring order (``fsdp_compile._slots.ring_order``): at each step every rank copies from (or to) a peer
+    come in ring order (``fsdp_compile.runtime.slots.ring_order``): at each step every rank copies from (or to) a peer
     that no other rank copies from (or to) at that step: faster than the copies at once on a stream per peer,
     which share the peers' links (docs/measurements.md, "Ring order"); and one stream costs no events to fork and
     join."""
