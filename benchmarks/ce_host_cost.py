@@ -24,9 +24,9 @@ import torch.distributed as dist
 from torch._inductor.select_algorithm import extern_kernels
 from torch.profiler import ProfilerActivity, profile
 
-from fsdp_compile import _slots
+from fsdp_compile.runtime import slots as _slots
 from fsdp_compile._internals import cuda_driver, symm_mem
-from fsdp_compile.lowering import _streams
+from fsdp_compile.runtime import streams as _streams
 
 PART_NUMEL = 512 * 1024  # bf16: 1 MiB per rank
 

@@ -69,7 +69,7 @@ def _copy_engine_all_gathers(shard: torch.Tensor) -> dict[str, Callable[[], obje
     """Copy-engine all-gathers of ``shard``: fsdp_compile's own op (what ``all_gather="copy_engine"`` lowers
     to) and, for reference, torch's ``_low_contention_all_gather`` from a symmetric input and from a plain
     one (empty where this torch lacks them)."""
-    from fsdp_compile.lowering.lower_to_symm_mem import all_gather_copy_engine, reserve_workspace
+    from fsdp_compile.runtime.copy_engine import all_gather_copy_engine, reserve_workspace
 
     group, world = dist.group.WORLD.group_name, dist.get_world_size()
     reserve_workspace(group, shard.nbytes)
@@ -94,15 +94,14 @@ def _into_slot(shard: torch.Tensor, full: torch.Tensor) -> dict[str, Callable[[]
     """The copy-engine collectives into slots of a symmetric slab, each waited for: the all-gather of ``shard``
     by pulls and the exchange of ``full`` by pushes (the default's ops: the peers in ring order, one copy after
     another), and prototypes: the all-gather made of pushes, and over more than 2 ranks both default ops with the
-    peers in rank order (every rank starts with rank 0: how the ops ran before experiment 23; that experiment's
-    prototypes with a stream per peer are in the commit that measured them, a083f49)."""
-    from fsdp_compile._slots import reserve_slab, ring_order
-    from fsdp_compile.lowering._streams import wait_copy_engine
-    from fsdp_compile.lowering.lower_to_symm_mem import (
+    peers in rank order (every rank starts with rank 0; prototypes with a stream per peer: commit a083f49)."""
+    from fsdp_compile.runtime.copy_engine import (
         all_gather_into_slot_copy_engine,
         copy_between_slabs,
         exchange_into_slot_copy_engine,
     )
+    from fsdp_compile.runtime.slots import reserve_slab, ring_order
+    from fsdp_compile.runtime.streams import wait_copy_engine
 
     group, world, rank = dist.group.WORLD.group_name, dist.get_world_size(), dist.get_rank()
     part, gathered_bytes = shard.numel(), shard.nbytes * world

@@ -1,43 +1,29 @@
 #!/usr/bin/env bash
 # Every GPU test and benchmark. Logs and JSON under $OUT; a short table last; exits non-zero when a GPU test,
 # the contention benchmark or the training benchmark (its loss or gradient guard included) fails.
-# Everything at once takes longer than one 10-minute device call (the GPU tests ~4 minutes, each system
-# ~30-45 s per run and point): split it. Measured split (2x H100):
-#   OUT=/tmp/out BENCH=0 bash benchmarks/gpu.sh                 # the GPU tests (TEST_TIMEOUT, default 540 s)
-#   OUT=/tmp/out BENCH=0 PYTEST_K="not soak" bash benchmarks/gpu.sh   # some of them (pytest -k)
-#   OUT=/tmp/out TESTS=0 TOKENS=4096 REPEATS=3 bash benchmarks/gpu.sh   # a headline: 3 runs, the default systems
-#   OUT=/tmp/out TESTS=0 SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile_copy_engine" bash benchmarks/gpu.sh
-#   OUT=/tmp/out BENCH=0 TESTS=0 CONTENTION=1 bash benchmarks/gpu.sh   # gemm_contention.py only
-#   OUT=/tmp/out BENCH=0 TESTS=0 HOST_COST=1 bash benchmarks/gpu.sh    # ce_host_cost.py only (~30 s)
-#   OUT=/tmp/out BENCH=0 TESTS=0 NCCL_BUFFERS=1 bash benchmarks/gpu.sh # nccl_buffers.py only (~15 s)
-#   OUT=/tmp/out BENCH=0 TESTS=0 META_INIT=1 bash benchmarks/gpu.sh    # one GPU: meta_init_memory.py (the 70B shape
-#     on rank 0 of a fake 64), then examples/big_model.py at the 8.8B shape, world size 1, by both set-up routes
-#   OUT=/tmp/out TESTS=0 TOKENS=4096 TRACE=1 SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile_nccl" bash benchmarks/gpu.sh
-#     # + where each system's GPU and host time goes: $OUT/trace_summary_<tag>.txt. Tracing host activity slows
-#     # the host: the traced steps (and the table's exposed-comm / compute-slowdown columns, read off them) are
-#     # host-bound where a step's host time is near its GPU time (session 19: GPU spans 71-76 ms a traced step
-#     # against 55-61 ms untraced; exposed 16.9 ms traced vs 6.9 untraced, 4 GPUs). Step ms are untraced.
-#     # TRACE=kernels: the GPU's activity only (no host ops in the summary; the steps as fast as untraced ones).
-#   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=1024 REPEATS=3 bash benchmarks/gpu.sh   # 4 GPUs
-#   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=4096 SYSTEMS="no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile fsdp2_compile_hsdp fsdp_compile_hsdp" bash benchmarks/gpu.sh   # HSDP 2 x 2 beside FSDP over 4
-#   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=8192 TAG=8b SYSTEMS="fsdp2_compile fsdp_compile" BENCH_ARGS="--model 8.8b --checkpoint selective --seq-cap 8192" bash benchmarks/gpu.sh
-# On 4 GPUs the 2-GPU tests run on two GPU pairs side by side, then the 4-GPU tests (test ids with "4gpus").
-# Measured on the 4-GPU host (2026-11-27, session 15): the pairs 7.6 and 7.0 minutes (pair a, the 2-GPU parity
-# cases and the profile; pair b, the exit test's two runs of the example per route and the rest), the 4-GPU
-# tests 8.7 minutes; on a cold machine (session 17) they no longer fit 560 s (the profile test and 8 of the 9
-# parity cases did): three calls,
-#   OUT=/tmp/out BENCH=0 PYTEST_K="not 4gpus" TEST_TIMEOUT=540 bash benchmarks/gpu.sh
-#   OUT=/tmp/out BENCH=0 PYTEST_K="4gpus and not exchange" TEST_TIMEOUT=540 bash benchmarks/gpu.sh
-#   OUT=/tmp/out BENCH=0 PYTEST_K="4gpus and exchange" TEST_TIMEOUT=540 bash benchmarks/gpu.sh
-# On 8 GPUs the tests with "8gpus" in their id run last (FSDP over 8, HSDP 2 x 4 and 4 x 2): a third call,
-#   OUT=/tmp/out BENCH=0 PYTEST_K="8gpus" TEST_TIMEOUT=540 bash benchmarks/gpu.sh
-# and the 8-GPU benchmark tables (issue "8-GPU runs"; FSDP over 8 beside HSDP 2 x 4; the 8.8B as torchtitan's
-# published table: batch 2 x 8192 tokens, selective checkpointing), one call each:
-#   NPROC=8 OUT=/tmp/out TESTS=0 TOKENS=4096 SYSTEMS="no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile fsdp2_compile_hsdp fsdp_compile_hsdp" bash benchmarks/gpu.sh
-#   NPROC=8 OUT=/tmp/out TESTS=0 TOKENS=16384 TAG=8b_8gpu SYSTEMS="fsdp2_compile fsdp_compile fsdp_compile_hsdp" BENCH_ARGS="--model 8.8b --checkpoint selective --seq-cap 8192 --steps 5 --warmup 2 --split-steps 1 --profile-steps 1" bash benchmarks/gpu.sh
-# TORCHRUN_ARGS: more torchrun options for train_bench.py, e.g. TORCHRUN_ARGS="--numa-binding node" (each rank on
-# the CPUs of its GPU's NUMA node; torch 2.9+, needs numactl).
-# SYSTEMS defaults to the headline's: the no-communication bound, FSDP2 eager, FSDP2 + compile, fsdp_compile.
+# Split it by the switches below (one 10-minute device call does not hold everything); the past splits, with
+# what each took: benchmarks/NOTES.md, "Moved from gpu.sh (2026-12-05)".
+#   TESTS=1 (default): the GPU tests (pytest -m gpu; PYTEST_K: their -k, TEST_TIMEOUT: seconds, default 540). On 4
+#     GPUs the 2-GPU tests run on two GPU pairs side by side, then the tests with "4gpus" in their id; on 8 GPUs
+#     those with "8gpus" last.
+#   BENCH=1 (default): benchmarks/train_bench.py on NPROC (2) ranks, TOKENS ("1024 4096") tokens per GPU, REPEATS (1)
+#     runs; SYSTEMS: its --system specs (family[:key=value,...], `python benchmarks/train_bench.py --help`), by
+#     default the headline's, "no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile"; BENCH_ARGS: more of its
+#     options; TAG: the output files' name; TRACE=1 (host activity too) or TRACE=kernels: each system's profiler
+#     trace kept, summarized into $OUT/trace_summary_<tag>.txt (benchmarks/trace_summary.py); TORCHRUN_ARGS: more
+#     torchrun options, e.g. "--numa-binding node" (torch 2.9+, needs numactl).
+#   CONTENTION=1, HOST_COST=1, NCCL_BUFFERS=1: gemm_contention.py, ce_host_cost.py, nccl_buffers.py; META_INIT=1
+#     (one GPU): meta_init_memory.py (the 70B shape on rank 0 of a fake 64), then examples/big_model.py at 8.8B.
+# For example:
+#   OUT=/tmp/out BENCH=0 PYTEST_K="not 4gpus" bash benchmarks/gpu.sh             # then "4gpus and not exchange",
+#                                                                                 # "4gpus and exchange", "8gpus"
+#   OUT=/tmp/out TESTS=0 TOKENS=4096 REPEATS=3 bash benchmarks/gpu.sh            # a headline
+#   OUT=/tmp/out TESTS=0 TOKENS=4096 TRACE=kernels \
+#     SYSTEMS="no_comm_bound fsdp2_eager fsdp_compile fsdp_compile:all_gather=copy_engine" bash benchmarks/gpu.sh
+#   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=4096 SYSTEMS="no_comm_bound fsdp2_eager fsdp2_compile fsdp_compile
+#     fsdp2_compile:hsdp=1 fsdp_compile:hsdp=1" bash benchmarks/gpu.sh          # HSDP 2 x 2 beside FSDP over 4
+#   NPROC=4 OUT=/tmp/out TESTS=0 TOKENS=8192 TAG=8b SYSTEMS="fsdp2_compile fsdp_compile" \
+#     BENCH_ARGS="--model 8.8b --checkpoint selective --seq-cap 8192" bash benchmarks/gpu.sh
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/fsdp_compile_gpu}
@@ -117,8 +103,8 @@ if [ "${BENCH:-1}" = 1 ]; then
     rm -rf "$traces"; BENCH_ARGS="${BENCH_ARGS:-} --trace-dir $traces"
     [ "$TRACE" = kernels ] && BENCH_ARGS="$BENCH_ARGS --trace-kernels-only"
   fi
-  torchrun --nproc_per_node "$NPROC" ${TORCHRUN_ARGS:-} benchmarks/train_bench.py --tokens $TOKENS --repeats "$REPEATS" --systems $SYSTEMS \
-    ${BENCH_ARGS:-} --out "$OUT/bench_$tag.json" >"$OUT/bench_$tag.log" 2>&1
+  torchrun --nproc_per_node "$NPROC" ${TORCHRUN_ARGS:-} benchmarks/train_bench.py --tokens $TOKENS --repeats "$REPEATS" \
+    --system $SYSTEMS ${BENCH_ARGS:-} --out "$OUT/bench_$tag.json" >"$OUT/bench_$tag.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "train_bench exit $rc (1: a guard failed, see the log)"; status=1; }
   if [ "$TRACE" != 0 ]; then
     python3 benchmarks/trace_summary.py "$traces" >"$OUT/trace_summary_$tag.txt" 2>&1 || { echo "trace_summary failed"; status=1; }

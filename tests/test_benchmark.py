@@ -130,7 +130,8 @@ def test_benchmark_with_inductor_runs_a_cuda_graph_system_and_compiles_it_again_
     ours = ["fsdp_compile_cudagraphs"]
     # The tests' model (2 blocks: Inductor compiles half of tiny's 4) and test_codegen.py's batch of 2 x 8 tokens.
     shapes = ("--model", "tests", "--tokens", "16", "--seq-cap", "8")
-    proc, out = _bench(tmp_path, "--systems", "fsdp2_eager", *ours, "--repeats", "2", *shapes, torchrun=True)
+    proc, out = _bench(tmp_path, "--system", "fsdp2_eager", "fsdp_compile:cudagraphs=1", "--repeats", "2", *shapes,
+                       torchrun=True)
     assert proc.returncode == 0, proc.stdout[-3000:]
     for line in GUARDS_OK:
         assert line in proc.stdout, proc.stdout[-3000:]
@@ -146,7 +147,7 @@ def test_benchmark_with_inductor_runs_a_cuda_graph_system_and_compiles_it_again_
 
 @contextlib.contextmanager
 def _sum_not_average() -> Iterator[None]:
-    import fsdp_compile._ops as ops
+    import fsdp_compile.runtime.ops as ops
 
     all_to_all_avg = ops.all_to_all_avg
     with mock.patch.object(ops, "reduce_scatter_avg", lambda t, w, g: ops._c10d.wait_tensor(
@@ -157,7 +158,7 @@ def _sum_not_average() -> Iterator[None]:
 
 @contextlib.contextmanager
 def _one_unit_not_reduced() -> Iterator[None]:
-    import fsdp_compile._ops as ops
+    import fsdp_compile.runtime.ops as ops
 
     backward, done = ops._GatherUnit.backward, []
 
@@ -179,7 +180,7 @@ MUTATIONS: dict[str, Callable[[], contextlib.AbstractContextManager]] = {
 @pytest.mark.slow
 @pytest.mark.parametrize("mutation", ["sum_not_average", "one_unit_not_reduced"])
 def test_the_gradient_guard_fails_a_library_that_does_not_average(tmp_path: "os.PathLike[str]", mutation: str) -> None:
-    systems = ("--systems", "fsdp2_eager", "fsdp_compile")  # the reference and the mutated library
+    systems = ("--system", "fsdp2_eager", "fsdp_compile")  # the reference and the mutated library
     proc, _ = _bench(tmp_path, *systems, "--compiler", "aot_eager", mutation=mutation)
     assert proc.returncode == 1, proc.stdout[-3000:]
     assert GUARDS_OK[0] in proc.stdout  # the loss cannot tell (AdamW is invariant to a gradient scale) ...
@@ -221,7 +222,7 @@ def test_without_fsdp2_eager_or_the_bound_fsdp2_compile_is_the_reference_and_the
 
 
 def test_manual_garbage_collection_runs_none_during_the_steps_and_is_counted() -> None:
-    from train_bench import _Collections, _garbage_collection
+    from harness import _Collections, _garbage_collection
 
     collections = _Collections()
     gc.callbacks.append(collections)
@@ -239,7 +240,7 @@ def test_manual_garbage_collection_runs_none_during_the_steps_and_is_counted() -
 def _compiled_block_backward_matmuls(cfg: LlamaConfig) -> tuple[int, int]:
     """(times the compiled block's forward ran, matmuls in its backward graph) for one training step of a
     one-block model, its block compiled as FSDP2 + compile does it."""
-    from train_bench import _checkpoint_inside
+    from systems import _checkpoint_inside
 
     counts = {"forward_runs": 0, "backward_mms": 0}
 
@@ -281,7 +282,7 @@ def test_fsdp2_compile_checkpoints_inside_the_compiled_block_so_selective_checkp
 
 @pytest.mark.parametrize("args, error", [
     (["--trace-kernels-only"], "--trace-kernels-only needs --trace-dir"),
-    (["--compiler", "aot_eager", "--systems", "fsdp2_eager", "fsdp_compile_cudagraphs"],
+    (["--compiler", "aot_eager", "--system", "fsdp2_eager", "fsdp_compile:cudagraphs=1"],
      "['fsdp_compile_cudagraphs'] need --compiler inductor"),
 ], ids=["kernel-only-traces-need-a-folder", "aot_eager-refuses-the-cuda-graph-systems"])
 def test_the_benchmark_refuses_options_that_cannot_work(capsys: pytest.CaptureFixture[str], args: list[str],
@@ -303,7 +304,7 @@ def test_each_table_says_how_auto_compares_with_the_fastest_fixed_route() -> Non
 
 
 def test_the_benchmarks_fixed_routes_are_named_as_the_report_finds_them() -> None:
-    from train_bench import FSDP_COMPILE_VARIANTS
+    from specs import FSDP_COMPILE_VARIANTS
 
     routes = {name: options for name, (options, shard) in FSDP_COMPILE_VARIANTS.items()
               if {"all_gather", "grad_reduce"} & set(options) and set(options) <= {"all_gather", "grad_reduce",
