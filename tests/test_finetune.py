@@ -309,8 +309,8 @@ def test_gradient_accumulation_keeps_no_accumulator_for_a_frozen_group(fake_pg: 
 
 @pytest.mark.slow
 def test_the_lora_example_trains_saves_and_reloads_the_adapters(tmp_path: pathlib.Path) -> None:
-    """``examples/lora.py`` as docs/finetuning.md runs it (aot_eager, to be quick): the adapters alone are reduced, saved
-    with ``save_pretrained`` and reloaded onto an unsharded base, bitwise."""
+    """``examples/lora.py`` as docs/finetuning.md runs it (aot_eager, to be quick): the adapters alone are reduced,
+    saved with ``save_pretrained`` and reloaded onto an unsharded base, bitwise."""
     run = [sys.executable, "examples/lora.py", "--compiler", "aot_eager", "--steps", "1", "--save", str(tmp_path)]
     proc = subprocess.run(run, cwd=pathlib.Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
