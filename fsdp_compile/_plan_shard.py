@@ -233,6 +233,6 @@ def _unit_plan(layout: UnitLayout, dtype: torch.dtype, mp: MixedPrecision, resha
         dtype=dtype,
         param_dtype=param_dtype,
         reduce_dtype=reduce_dtype,
-        grad_reduction="all_to_all" if exchange else "reduce_scatter",
+        grad_reduction="exchange" if exchange else "reduce_scatter",
         reshard_after_forward=reshard,
     )

@@ -107,7 +107,7 @@ class Collective:
     unit: str
     world_size: int
     grad_reduction: str
-    """``"reduce_scatter"`` or ``"all_to_all"`` (an exchange: gradients in ``param_dtype``, summed wider)."""
+    """``"reduce_scatter"`` or ``"exchange"`` (gradients in ``param_dtype``, summed wider: an all-to-all)."""
     device: torch.device
 
 
@@ -136,7 +136,7 @@ def resolve_routes(all_gather: str, grad_reduce: str, memory_plan: bool, collect
             "is their param_dtype, or MixedPrecision(exchange_grads_in_param_dtype=False)): use grad_reduce='nccl' "
             "or 'auto' for them"
         )
-    exchanges = [c for c in collectives if c.grad_reduction == "all_to_all"]
+    exchanges = [c for c in collectives if c.grad_reduction == "exchange"]
     routes: dict[str, str] = {"all_gather": all_gather, "grad_reduce": grad_reduce}
     chosen: list[tuple[Direction, RouteChoice]] = []
     for option, routed in (("all_gather", collectives), ("grad_reduce", exchanges)):

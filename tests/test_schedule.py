@@ -134,7 +134,7 @@ def test_exactly_limit_gradient_reductions_in_flight(limit: int) -> None:
         assert in_flight == list(range(max(0, j - limit + 1), j + 1)), (limit, j, in_flight)
 
 
-@pytest.mark.parametrize("exchange", [False, True], ids=["reduce_scatter", "all_to_all"])
+@pytest.mark.parametrize("exchange", [False, True], ids=["reduce_scatter", "exchange"])
 def test_what_only_the_output_needs_follows_the_reduction_wait(scheduled: dict, exchange: bool) -> None:
     if exchange:  # bf16 gradients exchanged with an all-to-all and summed in fp32 after the wait
         mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)

@@ -166,7 +166,7 @@ def test_plan_shard_is_pure_frozen_and_what_shard_applies() -> None:
     assert [u["fqn"] for u in units] == ["", "layers.0", "layers.1", "layers.2", "layers.3"]
     assert units[0]["params"][0]["names"] == ["tok_embeddings.weight", "output.weight"]
     assert [u["reshard_after_forward"] for u in units] == [False] + [True] * 4
-    assert {u["grad_reduction"] for u in units} == {"all_to_all"} and {u["param_dtype"] for u in units} == {"torch.bfloat16"}
+    assert {u["grad_reduction"] for u in units} == {"exchange"} and {u["param_dtype"] for u in units} == {"torch.bfloat16"}
 
     _fake_rank(1, 3)
     try:

@@ -257,3 +257,25 @@ def test_a_missing_torch_feature_is_named_with_the_torch_version() -> None:
     message = f"needs torch._dynamo.utils.no_such_thing, which torch {torch.__version__} lacks"
     with pytest.raises(_internals.MissingTorchFeature, match=re.escape(message)):
         _internals._need("torch._dynamo.utils", "no_such_thing")
+
+
+def test_each_graph_pass_is_named_as_its_module_and_plans_into_a_plan_class() -> None:
+    """A pass's artifacts, log lines and ``disabled_passes`` entry use its ``name``: its module's, so a dump's
+    ``*_plan_memory_plan.json`` leads to ``passes/plan_memory.py``; its plan's class ends in ``Plan``."""
+    import importlib
+    import inspect
+    import typing
+
+    from fsdp_compile.passes._graph import GraphPass
+
+    passes = []
+    for name in LIBRARY:
+        if name.startswith(("fsdp_compile.passes.", "fsdp_compile.lowering.")):
+            module = importlib.import_module(name)
+            classes = [c for c in vars(module).values() if inspect.isclass(c) and c.__module__ == name]
+            passes += [c for c in classes if issubclass(c, GraphPass) and c is not GraphPass]
+    assert len(passes) >= 6, passes
+    for cls in passes:
+        assert cls.name == cls.__module__.rsplit(".", 1)[-1], (cls, cls.name)
+        plan = typing.get_type_hints(cls.plan)["return"]
+        assert plan.__name__.endswith("Plan"), (cls, plan)

@@ -8,7 +8,7 @@
 * ``cast_all_gather_differentiable(shard, accum, ...)`` — the unit's collective pair as one autograd
   function: forward casts the flat shard to ``param_dtype`` and all-gathers it; backward averages the
   gradient over the group in ``reduce_dtype`` and casts it back to the shard's dtype. ``grad_reduction``
-  says how: ``"reduce_scatter"`` in ``reduce_dtype``, or ``"all_to_all"`` (``reduce_dtype`` wider than the
+  says how: ``"reduce_scatter"`` in ``reduce_dtype``, or ``"exchange"`` (``reduce_dtype`` wider than the
   gradient's ``param_dtype``): the gradient is exchanged in ``param_dtype`` and each rank sums its parts in
   ``reduce_dtype``, the same sums at a fraction of the bytes. Its body uses only ``_c10d_functional`` ops,
   so AOTAutograd traces it into the forward and backward graphs.
@@ -42,7 +42,7 @@ __all__ = [
     "wait",
 ]
 
-GradReduction = Literal["reduce_scatter", "all_to_all"]
+GradReduction = Literal["reduce_scatter", "exchange"]
 """How a unit's gradient is averaged over its group: a reduce-scatter in ``reduce_dtype``, or an all-to-all
 in the gradient's own dtype followed by each rank's sum of its parts in ``reduce_dtype``."""
 
@@ -135,7 +135,7 @@ class _GatherUnit(torch.autograd.Function):
             return None, grad.to(how.reduce_dtype), None
         if how.world_size == 1:
             reduced = grad.to(how.reduce_dtype)
-        elif how.grad_reduction == "all_to_all":
+        elif how.grad_reduction == "exchange":
             reduced = all_to_all_avg(grad, how.reduce_dtype, how.world_size, how.group_name)
         else:
             reduced = reduce_scatter_avg(grad.to(how.reduce_dtype), how.world_size, how.group_name)
