@@ -8,6 +8,7 @@ from __future__ import annotations
 import copy
 import gc
 import resource
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -118,6 +119,24 @@ def test_new_shapes_and_eval_recompile_a_bounded_number_of_times_with_the_refere
     run_ranks(_recompiles, 2)
 
 
+def _live_tensors(samples: int = 3, pause_s: float = 0.02) -> dict[int, tuple[Any, ...]]:
+    """id -> (shape, dtype, is a view) of every live tensor: the smallest of a few counts a moment apart.
+
+    A gloo worker thread marks a collective done (the wait returns) and only then drops it, with the input tensor
+    it holds (freeing that tensor's Python object needs the GIL, which the counting thread holds): a count taken in
+    between sees one tensor more, a view of a unit's flat shard (a few counts in a hundred right after a wait).
+    Such a tensor goes while this thread sleeps; what accumulates is in every count.
+    """
+    counts = []
+    for sample in range(samples):
+        if sample:
+            time.sleep(pause_s)
+        gc.collect()
+        counts.append({id(o): (tuple(o.shape), o.dtype, o._base is not None) for o in gc.get_objects()
+                       if isinstance(o, torch.Tensor)})
+    return min(counts, key=len)
+
+
 def _soak(rank: int, world_size: int, steps: int, device: str) -> None:
     # SGD: AdamW turns float64 rounding differences of near-zero gradients into whole steps, and two exact
     # trainings drift apart exponentially (1e-14 to 1e-7 in 40 steps at lr 1e-2); SGD's stay within 2e-15
@@ -130,9 +149,7 @@ def _soak(rank: int, world_size: int, steps: int, device: str) -> None:
         trainer.train(2, 8 - step % 3)  # three shapes: a dynamic graph, compiled in the first steps
         if step % (steps // 10) == steps // 10 - 1:
             trainer.evaluate(2, 8)
-            gc.collect()
-            tensors = {id(o): (tuple(o.shape), o.dtype, o._base is not None) for o in gc.get_objects()
-                       if isinstance(o, torch.Tensor)}
+            tensors = _live_tensors()
             first_live = first_live or tensors
             memory[step] = (
                 len(tensors),
