@@ -27,6 +27,9 @@ from fsdp_compile._watch import WATCH_ATTR, ModelWatch, call_watched
 
 __all__ = ["apply_shard"]
 
+GROUPS_ATTR = "_fsdp_compile_groups"
+"""On every unit module but the root: its units (one per group of parameters: dtype, ``requires_grad``)."""
+
 log = logging.getLogger(__name__)
 
 
@@ -63,10 +66,15 @@ def apply_shard(
                 owner._parameters[attr] = piece.param
                 owner.__dict__.setdefault(SLOTS_ATTR, {})[attr] = (state, piece.slot)
                 sharded_modules[id(owner)] = owner
+    states = [state for state, _ in built]
+    for state in states:
+        if state.layout.fqn:  # a unit module's forward finds its unit gathered, however it is called
+            unit_module = module.get_submodule(state.layout.fqn)
+            unit_module.__dict__.setdefault(GROUPS_ATTR, []).append(state)
+            sharded_modules[id(unit_module)] = unit_module
     for owner in sharded_modules.values():
         names = tuple(sorted(getattr(owner, SLOTS_ATTR, {})))
-        owner.__class__ = _sharded_class(type(owner), names, root=owner is module)
-    states = [state for state, _ in built]
+        owner.__class__ = _sharded_class(type(owner), names, root=owner is module, unit=GROUPS_ATTR in owner.__dict__)
     object.__setattr__(module, WATCH_ATTR, watch)
     register_units(module, states)
     _install_hooks(module, states)
@@ -272,13 +280,47 @@ def _param_property(name: str) -> property:
     return property(fget, doc=f"The full parameter {name!r}, gathered from its FSDP unit.")
 
 
-_SHARDED_CLASSES: dict[tuple[type[nn.Module], tuple[str, ...], bool], type[nn.Module]] = {}
+def _gathered_forward(cls: type[nn.Module]) -> Any:
+    """``cls.forward`` run with the module's unit gathered (``UnitState.gathered_for_forward``): a unit module's
+    forward called other than through its ``__call__``, whose hooks gather the unit. Hugging Face's gradient
+    checkpointing checkpoints ``forward`` (so that FSDP2's module hooks stay outside the checkpoint), and its
+    recompute in backward reads the parameters with no hook around it; FSDP2 gathers for backward from autograd."""
+    forward = cls.forward
+
+    @functools.wraps(forward)
+    def gathered_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # the graph gathers the unit itself
+            return forward(module, *args, **kwargs)
+        gathered = _gather_for_forward(module)
+        try:
+            return forward(module, *args, **kwargs)
+        finally:
+            _release(gathered)
+
+    return gathered_forward
 
 
-def _sharded_class(cls: type[nn.Module], names: tuple[str, ...], *, root: bool) -> type[nn.Module]:
+@torch.compiler.disable  # eager code, also where a compiled model's graph break leaves this frame to Python
+def _gather_for_forward(module: nn.Module) -> contextlib.ExitStack:
+    gathered = contextlib.ExitStack()
+    for state in module.__dict__[GROUPS_ATTR]:
+        gathered.enter_context(state.gathered_for_forward())
+    return gathered
+
+
+@torch.compiler.disable
+def _release(gathered: contextlib.ExitStack) -> None:
+    gathered.close()
+
+
+_SHARDED_CLASSES: dict[tuple[type[nn.Module], tuple[str, ...], bool, bool], type[nn.Module]] = {}
+
+
+def _sharded_class(cls: type[nn.Module], names: tuple[str, ...], *, root: bool, unit: bool) -> type[nn.Module]:
     """A cached subclass of ``cls`` whose class-level property per name shadows ``_parameters``; the model's (the
-    ``root``) also has its calls watched (``fsdp_compile._watch``)."""
-    key = (cls, names, root)
+    ``root``) also has its calls watched (``fsdp_compile._watch``); a ``unit`` module's forward gathers its unit
+    when called outside its ``__call__`` (``_gathered_forward``)."""
+    key = (cls, names, root, unit)
     if key not in _SHARDED_CLASSES:
         props: dict[str, Any] = {name: _param_property(name) for name in names}
         props["__module__"] = cls.__module__
@@ -288,5 +330,7 @@ def _sharded_class(cls: type[nn.Module], names: tuple[str, ...], *, root: bool) 
             props["__call__"] = call_watched
             if cls.forward.__module__.startswith("torch."):  # nn.Sequential: see _own_forward
                 props["forward"] = _own_forward(cls)
+        elif unit:
+            props["forward"] = _gathered_forward(cls)
         _SHARDED_CLASSES[key] = type(f"FSDP{cls.__name__}", (cls,), props)
     return _SHARDED_CLASSES[key]

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 
-__all__ = ["Departure", "RankFailed"]
+from fsdp_compile import _internals
+
+__all__ = ["Departure", "RankFailed", "describe", "root_cause"]
 
 
 class RankFailed(RuntimeError):
@@ -39,3 +41,17 @@ class Departure:
 
 
 RankFailed.__module__ = "fsdp_compile"  # as tracebacks name it
+
+
+def root_cause(error: BaseException) -> BaseException:
+    """``error``, or what torch.compile wrapped in it: a backend's exception reaches the caller as Dynamo's
+    ``BackendCompilerFailed``, whose first line names the backend, not the cause."""
+    while isinstance(error, _internals.BackendCompilerFailed) and error.inner_exception is not None:
+        error = error.inner_exception
+    return error
+
+
+def describe(error: BaseException, chars: int) -> str:
+    """``"ValueError: bad batch"``: the exception's type and the first line of its message (at most ``chars``)."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0][:chars] if text else ''}"

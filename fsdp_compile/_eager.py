@@ -7,9 +7,10 @@ in docs/architecture.md.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -125,6 +126,22 @@ class EagerUnit:
             live_gathers[self.gathered.untyped_storage().data_ptr()] = self
             self._hooks.append(torch.autograd.graph.saved_tensors_hooks(_pack, _unpack))
             self._hooks[-1].__enter__()
+
+    @contextlib.contextmanager
+    def gathered_for_forward(self) -> Iterator[None]:
+        """The unit gathered while its ``forward`` runs outside its ``__call__``, whose hooks gather it: Hugging
+        Face's gradient checkpointing recomputes ``forward`` in backward. Differentiable (a reentrant checkpoint
+        backpropagates through the recompute); no saved-tensor hooks (the checkpoint's own hold what the recompute
+        saves, and with them the buffer, until backward has used it)."""
+        if self.gathered is not None:
+            yield
+            return
+        self.gathered = self._gather_now()
+        counters["fsdp_compile"]["eager_forward_gathers"] += 1
+        try:
+            yield
+        finally:
+            self.gathered = None
 
     def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if torch.compiler.is_compiling() or self.gathered is None:

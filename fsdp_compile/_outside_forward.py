@@ -16,7 +16,7 @@ import torch
 from fsdp_compile._callers import caller
 from fsdp_compile._internals import no_torch_function_subclass
 
-__all__ = ["metadata_reads", "outside_forward", "read_outside_forward"]
+__all__ = ["metadata_reads", "outside_forward", "read_in_backward_message", "read_outside_forward"]
 
 _INIT_FIX = (
     "Initialise the parameters with fsdp_compile.init_parameters(model, init_fn=...) (init_fn sees full parameters, "
@@ -68,6 +68,18 @@ def read_outside_forward(piece: torch.Tensor, shape: tuple[int, ...], names: tup
         "fsdp_compile.full_state_dict(model); initialise them with fsdp_compile.init_parameters(model, init_fn=...) "
         "(init_fn sees full parameters); load them with fsdp_compile.load_full_state_dict(model, state_dict) or "
         "model.load_state_dict(...)"
+    )
+
+
+def read_in_backward_message(name: str, unit: str) -> str:
+    """The error for a full parameter read in backward outside its unit's ``forward``: activation checkpointing that
+    recomputes a part of a unit (fsdp_compile gathers a unit around its module's whole forward only)."""
+    return (
+        f"{name} was read in backward outside the forward of its unit {unit!r}: activation checkpointing recomputes a "
+        "part of the unit (a submodule's forward, or a function), and a unit is gathered for a recompute only around "
+        "its module's own forward. Checkpoint whole units: shard with units= naming the checkpointed module's class "
+        "(Hugging Face's gradient checkpointing: the decoder layer's), or checkpoint the unit's call "
+        "(torch.distributed.algorithms._checkpoint.checkpoint_wrapper.checkpoint_wrapper(unit))"
     )
 
 

@@ -148,7 +148,13 @@ def _unit_predicate(units: UnitSpec) -> Callable[[str, nn.Module], bool]:
     if callable(units) and not isinstance(units, type):
         return units  # type: ignore[return-value]
     classes = (units,) if isinstance(units, type) else tuple(units)  # type: ignore[arg-type]  # units=Block too
-    if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
+    if not classes:
+        raise ValueError(
+            f"units={units!r} names no unit: name at least one nn.Module subclass (e.g. units=[TransformerBlock]) or "
+            "pass a predicate (fqn, module) -> bool; the parameters no unit holds form the root unit, so a model with "
+            "no units would be gathered whole in one all-gather"
+        )
+    if not all(isinstance(c, type) and issubclass(c, nn.Module) for c in classes):
         raise TypeError(
             "units must be an iterable of nn.Module subclasses (e.g. units=[TransformerBlock]) or a "
             f"predicate (fqn, module) -> bool, got {units!r}"

@@ -6,6 +6,7 @@ docs/architecture.md."""
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
@@ -18,7 +19,7 @@ from fsdp_compile import _internals
 from fsdp_compile._eager import EagerUnit
 from fsdp_compile._internals import counters
 from fsdp_compile._layout import ParamSlot, UnitLayout, unit_label
-from fsdp_compile._outside_forward import outside_forward, read_outside_forward
+from fsdp_compile._outside_forward import outside_forward, read_in_backward_message, read_outside_forward
 from fsdp_compile._weak import weak_method
 from fsdp_compile.runtime.ops import (
     GradReduction,
@@ -180,9 +181,19 @@ class UnitState:
             )
         if self.eager.gathered is not None:
             return self.eager.param(slot.offset, slot.numel, slot.shape)
+        if not self.watch.depth and _internals.running_backward():
+            raise RuntimeError(read_in_backward_message(slot.names[0], unit_label(self.layout.name)))
         if not self.watch.depth:  # raises (DCP's model state-dict helpers, which read to map names, get the piece)
             return read_outside_forward(self.piece(slot).param, slot.shape, slot.names)
         return outside_forward(self.eager.param(slot.offset, slot.numel, slot.shape), slot.names[0])
+
+    def gathered_for_forward(self) -> contextlib.AbstractContextManager[None]:
+        """Around the unit module's ``forward`` (its sharded class's): the unit gathered in eager mode when the forward
+        runs inside the model's forward or backward but not through the module's ``__call__`` (Hugging Face's gradient
+        checkpointing recomputes ``forward`` in backward); elsewhere nothing (reads raise as they would)."""
+        if self.outside is not None or self.flat.is_meta or not (self.watch.depth or _internals.running_backward()):
+            return contextlib.nullcontext()
+        return self.eager.gathered_for_forward()
 
     def piece(self, slot: ParamSlot) -> Piece:
         return self.pieces[self._slot_index[slot.offset]]

@@ -16,9 +16,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_compile import _internals
-from fsdp_compile._departure import RankFailed
+from fsdp_compile._departure import RankFailed, describe, root_cause
 from fsdp_compile._internals import failures
-from fsdp_compile.debug import degraded
 from fsdp_compile.runtime.channels import channel_of
 
 __all__ = ["ModelWatch", "WatchedGraph", "call_watched", "watch_of"]
@@ -29,9 +28,10 @@ _MESSAGE_CHARS = 300
 
 
 class ModelWatch:
-    """One sharded model on this rank, as its failure channels see it: ``step`` (its calls so far), whether a
-    forward runs (``depth``), and ``pending``: the step whose forward gave outputs that require a gradient and
-    whose backward has not completed yet."""
+    """One sharded model on this rank, as its failure channels see it: ``step`` (its steps so far: a step is the
+    model's forwards up to the backward that completes them, so two forwards then one backward are one step, and a
+    forward under ``no_grad`` is one), whether a forward runs (``depth``), and ``pending``: the step whose forwards
+    gave outputs that require a gradient and whose backward has not completed yet."""
 
     def __init__(self, groups: Iterable[dist.ProcessGroup], device: torch.device, units: dict[int, str]) -> None:
         self.channels = [channel_of(g, device) for g in dict.fromkeys(groups) if dist.get_backend(g) != "fake"]
@@ -60,10 +60,12 @@ class ModelWatch:
                 "which the summoned parameters may change at the exit. Call the model outside the with-block"
             )
         if self.depth == 0:
-            if self.pending is not None:
-                self._depart(self._without_backward())
+            if self.pending is None:
+                self.step += 1
+            else:  # another forward of the step: legal where every rank makes it (checked through the store)
+                self._depart(self._without_backward(), quiet=True)
+                _internals.counters["fsdp_compile"]["forwards_checked_with_peers"] += 1
             self.settle()
-            self.step += 1
             self.thread = threading.get_ident()
         self.depth += 1
 
@@ -79,11 +81,11 @@ class ModelWatch:
         self.depth -= 1
         if self.depth:
             return
-        self.pending = None
         if error is not None:
+            self.pending = None
             self.failed(error, "forward")
         elif any(isinstance(t, torch.Tensor) and t.requires_grad for t in failures.tree_leaves(output)):
-            self.pending = self.step
+            self.pending = self.step  # (a forward under no_grad leaves the step's earlier forwards pending)
             self.backward_started = False
 
     def failed(self, error: BaseException, phase: str) -> None:
@@ -91,28 +93,27 @@ class ModelWatch:
         a failure elsewhere caused)."""
         if phase == "backward":
             self.pending = None
-        if isinstance(error, RankFailed) or any(c.cause is not None for c in self.channels):
+        cause = root_cause(error)
+        if isinstance(cause, RankFailed) or any(c.cause is not None for c in self.channels):
             return
-        message = str(error).strip().splitlines()[0] if str(error).strip() else ""
         unit = _unit_of(error.__traceback__, self.units)
+        wrapped = f", raised as {type(error).__name__}" if cause is not error else ""
         self._depart(
-            f"raised {type(error).__name__}: {message[:_MESSAGE_CHARS]} (in the {phase} of step {self.step}"
-            + (f", unit {unit!r})" if unit else ")")
+            f"raised {describe(cause, _MESSAGE_CHARS)} (in the {phase} of step {self.step}"
+            + (f", unit {unit!r}" if unit else "") + wrapped + f"; {_STEPS})"
         )
 
-    def _depart(self, reason: str) -> None:
+    def _depart(self, reason: str, quiet: bool = False) -> None:
         for channel in self.channels:
-            channel.depart(reason)
+            channel.depart(reason, quiet)
 
     def _without_backward(self) -> str:
         if self.backward_started:
-            return (f"raised an exception in the backward of step {self.pending} (outside fsdp_compile's code: this "
-                    "rank's own error says which)")
-        degraded("forward_without_backward", f"fsdp_compile: a forward (step {self.pending}) gave outputs that require "
-                 "a gradient, and the next forward came before their backward completed: the ranks check through the "
-                 "store that they all did so (a wait for the slowest). Evaluate under torch.no_grad()")
-        return (f"did not complete a backward after the forward of step {self.pending} (it raised before reaching the "
-                "model's units: this rank's own error says which; or the next forward came first)")
+            return (f"did not complete a backward after the forward of step {self.pending}: it raised in the backward "
+                    f"(outside fsdp_compile's code: this rank's own error says which; {_STEPS})")
+        return (f"did not complete a backward after the forward of step {self.pending}: it called the model again "
+                "instead, while the others went on to the backward (an exception before the backward, which this "
+                f"rank's own error names, or a rank-dependent forward; {_STEPS})")
 
     # -- inside the backward -------------------------------------------------------------------------------------
 
@@ -144,6 +145,10 @@ class ModelWatch:
             return
         if self.pending is not None and self.backward_started:  # read again: it may have completed meanwhile
             self._depart(self._without_backward())
+
+
+_STEPS = "a step: the model's forwards up to their backward, counted on this rank from 1"
+"""What a step's number counts, for messages."""
 
 
 def _unit_of(traceback: TracebackType | None, units: dict[int, str]) -> str | None:
@@ -208,9 +213,22 @@ def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         output = nn.Module.__call__(module, *args, **kwargs)
     except BaseException as error:
         watch.leave(error)
-        raise
+        ours = _wrapped_by_compile(error)
+        try:
+            if ours is not None:  # torch.compile wrapped it (BackendCompilerFailed): raised as itself
+                raise ours from None
+            raise
+        finally:
+            del ours  # no cycle through this frame (the traceback holds it): the failed forward is freed with its error
     watch.leave(None, output)
     return output
+
+
+def _wrapped_by_compile(error: BaseException) -> BaseException | None:
+    """fsdp_compile's own exception (``RanksDisagree``, ``RankFailed``) that torch.compile wrapped in ``error``, or
+    None: the caller catches it by its class."""
+    cause = root_cause(error)
+    return cause if cause is not error and type(cause).__module__.startswith("fsdp_compile") else None
 
 
 call_watched = _internals.run_by_python(_call)

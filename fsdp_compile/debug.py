@@ -23,10 +23,7 @@ the reason once per key and process (logger ``fsdp_compile.debug``). The keys:
 - ``cuda_graphs_hold_destroy``: with CUDA graphs, this torch offers no way to free them before
   ``destroy_process_group()``, which then hangs: call ``torch._dynamo.reset()`` before it;
 - ``eager_saved_whole``: eager mode saved a tensor without a plain storage (a subclass, sparse) for
-  backward as it is, so its unit's memory is not released after forward;
-- ``forward_without_backward``: a forward whose outputs required a gradient was followed by the next forward
-  before their backward completed (an evaluation outside ``torch.no_grad()``, two forwards then one backward):
-  the ranks check through the store that they all did so, a wait for the slowest ([Note: failures]).
+  backward as it is, so its unit's memory is not released after forward.
 
 Passes run when Inductor compiles a graph: a graph served from Inductor's FX graph cache counts nothing.
 """

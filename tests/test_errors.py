@@ -124,3 +124,24 @@ def test_a_parameter_added_after_shard_is_refused_eager_and_compiled(pg: None) -
         compiled(tokens, tokens)
 
 
+
+
+@pytest.mark.parametrize("compiled", ["model", "each-block"])
+def test_another_backend_on_a_sharded_model_in_training_says_to_compile_with_fsdp_compile(compiled: str, pg: None) -> None:
+    """Plain Inductor on the model, or on each block (torchtitan's habit), in training: the marker's own message (its
+    backward is traced), never autograd's "no autograd formula was registered". ``torch.compile(block,
+    backend='fsdp_compile')`` works: tests/test_parity.py."""
+    model = fsdp_compile.shard(Llama(LLAMA_TINY), units=[Block])
+    if compiled == "model":
+        run = torch.compile(model, backend="inductor")
+    else:
+        for block in model.layers:
+            block.compile()
+        run = model
+    tokens = torch.randint(0, LLAMA_TINY.vocab_size, (2, 8))
+    with pytest.raises(Exception, match=r"a sharded parameter was read inside a graph that the fsdp_compile backend "
+                                        r"did not compile; compile the model with torch.compile\(model, "
+                                        r"backend='fsdp_compile'\) .* torch.compile\(block, backend='fsdp_compile'\)"
+                       ) as raised:
+        run(tokens, tokens).backward()
+    assert "no autograd formula" not in str(raised.value)

@@ -6,6 +6,7 @@ from ``fsdp_compile.testing.faults``: fresh ranks for each case, each waited for
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -19,6 +20,7 @@ from torch import nn
 
 import fsdp_compile
 from fsdp_compile.testing import faults
+from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.faults import Fault, FaultyBlock, Outcome, run_faulty
 
 WITHIN_S = 10.0
@@ -140,6 +142,46 @@ def test_on_nccl_the_group_is_aborted_and_every_rank_raises_naming_the_failed_on
         assert outcome.after is not None and outcome.after < WITHIN_S, outcome
 
 
+def _forwards_then_one_backward(rank: int, world_size: int, compiler: str) -> None:
+    """Per step: two forwards (a contrastive pair, DPO's chosen and rejected), then three, each step ending in one
+    backward; then a forward whose outputs are dropped without a backward (grad mode on). Against the unsharded model,
+    and with every record of the library's loggers kept: none of them a failure."""
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = records.append  # type: ignore[method-assign]
+    logger = logging.getLogger("fsdp_compile")
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG)
+    try:
+        ref = _model()
+        model = fsdp_compile.shard(_model(), units=[FaultyBlock])
+        run = model if compiler == "eager" else torch.compile(model, backend=fsdp_compile.backend(compiler=compiler))
+        opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step, weights in enumerate([(1.0, 0.5), (1.0, -0.5, 0.25)], 1):
+            sum(w * run(_batch(10 * step + i, rank)).square().mean() for i, w in enumerate(weights)).backward()
+            for r in range(world_size):  # every rank's loss, averaged: what the sharded model's gradients are
+                (sum(w * ref(_batch(10 * step + i, r)).square().mean() for i, w in enumerate(weights)) / world_size
+                 ).backward()
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        run(_batch(0, rank))  # evaluated in grad mode, never backpropagated
+        run(_batch(1, rank)).sum().backward()
+        opt.zero_grad()
+        full = fsdp_compile.full_state_dict(model)
+        for name, value in ref.state_dict().items():
+            torch.testing.assert_close(full[name], value, rtol=1e-12, atol=1e-12)
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)
+    failures = [r.getMessage() for r in records if r.levelno >= logging.WARNING or "left a step" in r.getMessage()]
+    assert not failures, failures
+    assert any("calls the model again before a backward" in r.getMessage() for r in records)  # and it was checked
+
+
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
+def test_several_forwards_then_one_backward_train_right_and_log_no_failure(compiler: str) -> None:
+    run_ranks(_forwards_then_one_backward, 2, compiler)
+
+
 class _BranchyBlock(FaultyBlock):
     """A block whose forward raises while ``fail`` is set: read by Dynamo, so setting it on one rank recompiles
     that rank's graph, to fewer collectives than its peers'."""
@@ -171,12 +213,16 @@ def _diverge(rank: int, world_size: int) -> None:
 def test_a_rank_whose_compiled_graph_diverges_after_a_caught_exception_fails_every_rank_at_once() -> None:
     """The first report of this issue: rank 1 raises in a unit's forward at step 2 through a Python branch, so it
     compiles a graph of its own, and used to wait for rank 0 in the rank-consistency check while rank 0 waited for
-    it in an all-gather, until the group's timeout."""
+    it in an all-gather, until the group's timeout. Rank 1 raises ``RanksDisagree`` (torch.compile's
+    ``BackendCompilerFailed`` unwrapped), and rank 0's ``RankFailed`` names that cause, type and text."""
     outcomes = run_faulty(_diverge, 2)
     _show(outcomes)
-    assert outcomes[1].error == "BackendCompilerFailed" and "RanksDisagree" in outcomes[1].message, outcomes[1]
+    assert outcomes[1].error == "RanksDisagree", outcomes[1]  # its own class, though torch.compile wrapped it
     assert "rank 0 waits in collective #" in outcomes[1].message
     assert outcomes[0].error == "RankFailed" and outcomes[0].blamed == 1, outcomes[0]
+    assert "rank 1 raised RanksDisagree: fsdp_compile: rank 0 waits in collective #" in outcomes[0].message
+    assert "raised as BackendCompilerFailed" in outcomes[0].message
+    assert "a step: the model's forwards up to their backward, counted on this rank from 1" in outcomes[0].message
     assert all(o.after is not None and o.after < WITHIN_S for o in outcomes.values()), outcomes
 
 

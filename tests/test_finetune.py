@@ -21,11 +21,11 @@ import fsdp_compile
 from fsdp_compile._plan_shard import plan_shard
 from fsdp_compile.debug import capture_graphs
 from fsdp_compile.testing.dist import run_ranks
-from fsdp_compile.testing.reference import CausalLMLoss, assert_bitwise, full_grads, micro_batch_step, rel_error
+from fsdp_compile.testing.hf import VOCAB, add_lora, is_decoder_layer, tiny_causal_lm, train_side_by_side, trainable
+from fsdp_compile.testing.reference import CausalLMLoss, assert_bitwise
 
-transformers = pytest.importorskip("transformers")
+pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
-VOCAB = 64
 LAYERS = 2
 STEPS = 2
 RS, A2A = torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.all_to_all_single.default
@@ -44,29 +44,6 @@ TOLERANCES = {
     (torch.bfloat16, "aot_eager"): (1e-6, 1e-6, 1e-6),
     (torch.bfloat16, "inductor"): (1e-6, 1e-6, 1e-6),
 }
-
-
-def _llama(dtype: torch.dtype, family: str = "llama") -> nn.Module:
-    config_class, model_class = {
-        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
-    }[family]
-    cfg = config_class(
-        vocab_size=VOCAB, hidden_size=16, intermediate_size=40, num_hidden_layers=LAYERS, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="eager",
-    )
-    return model_class(cfg).to(dtype)
-
-
-def _lora(lm: nn.Module) -> nn.Module:
-    """peft's LoRA as its docs set it up (r=4 on the q and v projections); on a bf16 model, peft's default
-    (``autocast_adapter_dtype=True``) makes the adapters float32: two dtypes in every decoder layer."""
-    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
-    model = peft.get_peft_model(lm, config)
-    for name, param in model.named_parameters():  # peft's B starts at zero: give the adapters a gradient to check
-        if "lora_B" in name:
-            nn.init.normal_(param, std=0.02)
-    return model
 
 
 def _first_half_frozen(lm: nn.Module) -> nn.Module:
@@ -89,20 +66,13 @@ class Case(NamedTuple):
 
 
 CASES = {
-    "first_half_frozen": Case(lambda: _llama(torch.float64), _first_half_frozen, torch.float64),
-    "frozen_embedding": Case(lambda: _llama(torch.float64), _frozen_embedding, torch.float64),
-    "lora_llama": Case(lambda: _llama(torch.float64), _lora, torch.float64),
-    "lora_qwen2": Case(lambda: _llama(torch.float64, "qwen2"), _lora, torch.float64),
-    "lora_bf16_base_fp32_adapters": Case(lambda: _llama(torch.bfloat16), _lora, torch.bfloat16),
+    "first_half_frozen": Case(lambda: tiny_causal_lm(layers=LAYERS), _first_half_frozen, torch.float64),
+    "frozen_embedding": Case(lambda: tiny_causal_lm(layers=LAYERS), _frozen_embedding, torch.float64),
+    "lora_llama": Case(lambda: tiny_causal_lm(layers=LAYERS), add_lora, torch.float64),
+    "lora_qwen2": Case(lambda: tiny_causal_lm("qwen2", layers=LAYERS), add_lora, torch.float64),
+    "lora_bf16_base_fp32_adapters": Case(lambda: tiny_causal_lm(dtype=torch.bfloat16, layers=LAYERS), add_lora,
+                                         torch.bfloat16),
 }
-
-
-def _decoder_layers(fqn: str, module: nn.Module) -> bool:
-    return type(module).__name__.endswith("DecoderLayer")
-
-
-def _trainable(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p for n, p in module.named_parameters() if p.requires_grad}
 
 
 def _finetune(rank: int, world_size: int, compiler: str, names: list[str], saved: pathlib.Path | None) -> None:
@@ -112,35 +82,16 @@ def _finetune(rank: int, world_size: int, compiler: str, names: list[str], saved
         torch.manual_seed(0)
         ref = CausalLMLoss(case.prepare(case.base()))
         frozen = {n: p.detach().clone() for n, p in ref.lm.named_parameters() if not p.requires_grad}
-        lm = fsdp_compile.shard(copy.deepcopy(ref.lm), units=_decoder_layers)
+        lm = fsdp_compile.shard(copy.deepcopy(ref.lm), units=is_decoder_layer)
         if saved is not None and name.startswith("lora"):  # the adapters, gathered, are the unsharded model's
             assert_bitwise(_adapters(lm), peft.get_peft_model_state_dict(ref.lm))
         model = CausalLMLoss(lm)
         run = torch.compile(model, backend=fsdp_compile.backend(compiler=compiler), fullgraph=True)
         run_ref = torch.compile(ref, fullgraph=True) if compiler == "inductor" else ref
-        opt = torch.optim.AdamW(_trainable(model).values(), lr=1e-2)
-        ref_opt = torch.optim.AdamW(_trainable(ref).values(), lr=1e-2)
-        worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
-        for step in range(STEPS):
-            tokens = torch.randint(0, VOCAB, (2 * world_size, 9), generator=torch.Generator().manual_seed(step))
-            local = tokens[2 * rank : 2 * rank + 2]
-            loss = run(local[:, :-1], local[:, 1:])
-            loss.backward()
-            ref_loss = micro_batch_step(run_ref, tokens, world_size)
-            losses = [torch.zeros((), dtype=loss.dtype) for _ in range(world_size)]
-            dist.all_gather(losses, loss.detach())
-            worst["loss"] = max(worst["loss"], rel_error(torch.stack(losses).mean(), ref_loss))
-            grads = full_grads(lm)
-            for n, p in _trainable(ref.lm).items():
-                worst["grad"] = max(worst["grad"], rel_error(grads[n], p.grad))
-            assert all(p.grad is None for p in model.parameters() if not p.requires_grad), name
-            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+        worst = train_side_by_side(run, run_ref, lm, ref.lm, steps=STEPS, rank=rank, world_size=world_size)
         trained = fsdp_compile.full_state_dict(lm)
-        for n, want in ref.lm.state_dict().items():
-            if n in frozen:
-                assert_bitwise(trained[n], frozen[n], f"{name}: frozen {n}")
-            else:
-                worst["param"] = max(worst["param"], rel_error(trained[n], want))
+        for n, want in frozen.items():
+            assert_bitwise(trained[n], want, f"{name}: frozen {n}")
         if rank == 0:
             print(f"{name} {compiler} world {world_size}: worst rel. errors " + ", ".join(
                 f"{k} {v:.1e}" for k, v in worst.items()) + f"; {len(frozen)} frozen tensors bitwise unchanged")
@@ -157,9 +108,9 @@ def _adapters(lm: nn.Module) -> dict[str, torch.Tensor]:
 def _save_and_load_adapters(lm: nn.Module, base: Callable[[], nn.Module], path: pathlib.Path) -> None:
     """``save_pretrained`` of the trained adapters on rank 0, then ``PeftModel.from_pretrained`` on an unsharded
     base: the same adapters, bitwise."""
-    trainable = fsdp_compile.full_state_dict(lm, trainable_only=True, rank0_only=True)
+    adapters = fsdp_compile.full_state_dict(lm, trainable_only=True, rank0_only=True)
     if dist.get_rank() == 0:
-        lm.save_pretrained(path, state_dict=trainable)
+        lm.save_pretrained(path, state_dict=adapters)
     dist.barrier()
     torch.manual_seed(0)
     loaded = peft.PeftModel.from_pretrained(base(), path)
@@ -178,13 +129,9 @@ def test_finetuning_matches_the_unsharded_model(world_size: int, compiler: str, 
 
 
 def _graph_model(case: str) -> nn.Module:
-    """A wider tiny Llama (hidden 64): LoRA's share of it is then as small as on real models (~2%)."""
-    cfg = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=LAYERS, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False, attn_implementation="eager",
-    )
-    lm = transformers.LlamaForCausalLM(cfg)
-    return CausalLMLoss(_lora(lm) if case == "lora" else _first_half_frozen(lm))
+    """A wider tiny Llama (hidden 64, float32): LoRA's share of it is then as small as on real models (~2%)."""
+    lm = tiny_causal_lm(dtype=torch.float32, hidden=64, layers=LAYERS)
+    return CausalLMLoss(add_lora(lm) if case == "lora" else _first_half_frozen(lm))
 
 
 def _compiled_graphs(model: nn.Module) -> dict[str, fx.GraphModule]:
@@ -202,24 +149,24 @@ def test_backward_reduces_the_trainable_parameters_only(case: str, fake_pg: None
     is gathered once in forward (a unit with frozen and trainable parameters: two all-gathers, see "Parameter
     groups" in docs/architecture.md)."""
     torch.manual_seed(0)
-    model = fsdp_compile.shard(_graph_model(case), units=_decoder_layers)
+    model = fsdp_compile.shard(_graph_model(case), units=is_decoder_layer)
     units = fsdp_compile.sharded_units(model)
-    trainable = [u for u in units if u.trainable]
+    trained = [u for u in units if u.trainable]
     graphs = _compiled_graphs(model)
     fwd, bwd = graphs["forward"], graphs["backward"]
     reductions = [n for n in bwd.graph.nodes if n.target in (RS, A2A)]
     reduced = sum(n.args[0].meta["val"].numel() for n in reductions)
-    assert len(reductions) == len(trainable)
-    assert reduced == sum(u.layout.padded_numel for u in trainable)
-    wanted = sum(p.numel() for p in _trainable(_graph_model(case)).values())
+    assert len(reductions) == len(trained)
+    assert reduced == sum(u.layout.padded_numel for u in trained)
+    wanted = sum(p.numel() for p in trainable(_graph_model(case)).values())
     total = sum(slot.numel for u in units for slot in u.layout.slots)
-    assert wanted <= reduced <= wanted + sum(16 * len(u.layout.slots) + 2 for u in trainable)
+    assert wanted <= reduced <= wanted + sum(16 * len(u.layout.slots) + 2 for u in trained)
     if case == "lora":
         assert reduced < 0.05 * total, (reduced, total)
     grads = [o for o in bwd.graph.output_node().args[0] if isinstance(o, fx.Node)]
-    assert sorted(o.meta["val"].numel() for o in grads) == sorted(u.layout.shard_numel for u in trainable)
+    assert sorted(o.meta["val"].numel() for o in grads) == sorted(u.layout.shard_numel for u in trained)
     assert sum(1 for n in fwd.graph.nodes if n.target in AG) == len(units)
-    frozen_units = {u.layout.fqn for u in units if not u.trainable} - {u.layout.fqn for u in trainable}
+    frozen_units = {u.layout.fqn for u in units if not u.trainable} - {u.layout.fqn for u in trained}
     assert len(frozen_units) == (LAYERS // 2 if case == "first_half_frozen" else 1)  # LoRA: the root (embeddings)
     print(f"{case}: {len(units)} groups, reduced {reduced:,} of {total:,} elements ({reduced / total:.1%})")
 
@@ -229,7 +176,7 @@ def test_a_parameter_frozen_at_shard_that_asks_for_a_gradient_later_is_refused(c
     """Dynamo guards on the frozen pieces' ``requires_grad``: the next call recompiles and refuses, as eager does.
     Freezing a trainable parameter after ``shard()`` takes effect: it gets no gradient (its group still reduces)."""
     torch.manual_seed(0)
-    model = fsdp_compile.shard(_graph_model("first_half_frozen"), units=_decoder_layers)
+    model = fsdp_compile.shard(_graph_model("first_half_frozen"), units=is_decoder_layer)
     run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager")) if compiled else model
     tokens = torch.randint(0, VOCAB, (2, 8))
     run(tokens, tokens).backward()
@@ -268,7 +215,7 @@ def _integer_parameters(rank: int, world_size: int) -> None:
     x = torch.randn(2 * world_size, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     out = run(x[2 * rank : 2 * rank + 2])
     out.square().sum().backward()  # a gradient for the floating group only
-    torch.testing.assert_close(out, ref(x)[2 * rank : 2 * rank + 2], rtol=0, atol=0)
+    torch.testing.assert_close(out, ref(x[2 * rank : 2 * rank + 2]), rtol=0, atol=0)  # the same shapes: bitwise
     assert_bitwise(fsdp_compile.full_state_dict(model)["1.perm"], ref[1].perm)
 
 
@@ -296,7 +243,7 @@ def test_gradient_accumulation_keeps_no_accumulator_for_a_frozen_group(fake_pg: 
     """``set_requires_gradient_sync(False)`` gives the trainable groups their full-size accumulator, and a frozen
     group none (it has no gradient to accumulate)."""
     torch.manual_seed(0)
-    model = fsdp_compile.shard(_graph_model("lora"), units=_decoder_layers)
+    model = fsdp_compile.shard(_graph_model("lora"), units=is_decoder_layer)
     fsdp_compile.set_requires_gradient_sync(model, False)
     units = fsdp_compile.sharded_units(model)
     assert [u.accum is not None for u in units] == [u.trainable for u in units]
@@ -304,7 +251,7 @@ def test_gradient_accumulation_keeps_no_accumulator_for_a_frozen_group(fake_pg: 
     model(tokens, tokens).backward()
     fsdp_compile.set_requires_gradient_sync(model, True)
     model(tokens, tokens).backward()
-    assert all(p.grad is not None for p in _trainable(model).values() if p.numel())
+    assert all(p.grad is not None for p in trainable(model).values() if p.numel())
 
 
 @pytest.mark.slow

@@ -122,6 +122,7 @@ class Case:
     mesh: tuple[int, int] | None = None  # HSDP: shard(mesh=...) on a (replicate, shard) DeviceMesh of this shape
     slotted_exchanges: bool = False  # the exchanges in the plan's slots, as grad_reduce="copy_engine" has them, on
     # the route any device runs (fsdp_compile.testing.graphs.slotted_exchanges)
+    each_block: bool = False  # torchtitan's habit: each block compiled on its own (block.compile), the rest eager
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:
@@ -167,7 +168,12 @@ def _train_and_compare_here(rank: int, world_size: int, case: Case) -> None:
             compiler=case.compiler, overlap=case.overlap, cudagraphs=case.cudagraphs, all_gather=case.all_gather,
             grad_reduce=case.grad_reduce, memory_plan=case.memory_plan,
         )
-        run = torch.compile(model, backend=backend, fullgraph=not case.graph_break, mode=case.mode)
+        if case.each_block:
+            for block in model.layers:
+                block.compile(backend=backend, fullgraph=True)
+            run = model
+        else:
+            run = torch.compile(model, backend=backend, fullgraph=not case.graph_break, mode=case.mode)
     opt = torch.optim.AdamW(_param_groups(model), lr=LR)
     ref_opt = torch.optim.AdamW(_param_groups(ref), lr=LR)
     n_units = len(fsdp_compile.sharded_units(model))
@@ -346,6 +352,12 @@ def test_parity_third_party_gpt2_with_tied_embeddings(compiler: str) -> None:
     # float64: GPT-2's attention key bias has a ~0 true gradient, so in fp32 AdamW turns rounding into
     # visible updates (1e-4 seen) whatever the sharding (docs/architecture.md, "Testing numerics").
     run_ranks(_train_and_compare, 2, Case(compiler, torch.float64, torch.float64, steps=3, model="gpt2"))
+
+
+def test_parity_each_block_compiled_on_its_own() -> None:
+    """``block.compile(backend=fsdp_compile.backend(...))`` on each block (torchtitan's habit), the root eager: each
+    block's graph gathers its unit."""
+    run_ranks(_train_and_compare, 2, Case("aot_eager", torch.float64, torch.float64, steps=3, each_block=True))
 
 
 def test_parity_world_size_one() -> None:

@@ -87,6 +87,7 @@ REFUSALS = {
     "compiled-submodule": Refusal(_compiled_submodule, TypeError, r"wrapped by torch.compile \(layers.1\)"),
     "units-of-the-wrong-type": Refusal(_tiny(units=["Block"]), TypeError,
                                        "units must be an iterable of nn.Module subclasses"),
+    "no-units": Refusal(_tiny(units=[]), ValueError, r"units=\[\] names no unit: name at least one nn.Module subclass"),
     "units-that-match-nothing": Refusal(_tiny(units=[nn.GRU]), ValueError,
                                         r"units=\[<class .*GRU'>\] matched no submodule of Llama"),
     "no-parameters": Refusal(lambda: (nn.Sequential(nn.ReLU()), {"units": [nn.ReLU]}), ValueError,

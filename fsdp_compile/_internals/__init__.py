@@ -37,13 +37,13 @@ import torch
 import torch.fx as fx
 
 __all__ = [
-    "COMPILE_AFRESH", "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
+    "BackendCompilerFailed", "COMPILE_AFRESH", "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
     "aot_autograd", "c10d_functional", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_ranks", "group_store",
     "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
     "list_mode_options", "make_boxed_func", "mark_static", "outside_fake_mode", "outside_graph_pools",
-    "placeholder_source", "run_by_python",
+    "placeholder_source", "run_by_python", "running_backward",
     "min_cut_rematerialization_partition", "no_torch_function_subclass", "register_work", "run_observed",
     "set_optimizer_state_dict", "sharded_tensor", "trace_log", "trace_structured",
 ]
@@ -80,6 +80,8 @@ min_cut_rematerialization_partition: Callable[..., Any] = _need(
 )
 OptimizedModule: type = _need("torch._dynamo.eval_frame", "OptimizedModule")
 """What ``torch.compile(module)`` returns."""
+BackendCompilerFailed: type = _need("torch._dynamo.exc", "BackendCompilerFailed")
+"""What torch.compile raises for an exception of a backend (``inner_exception``: that exception)."""
 mark_static: Callable[..., None] = _need("torch._dynamo", "mark_static")
 """``mark_static(tensor)``: Dynamo compiles the tensor's sizes as constants, even after a recompile for new sizes
 (where it would otherwise make them symbolic: "automatic dynamic shapes")."""
@@ -169,6 +171,15 @@ def outside_graph_pools(device: torch.device, allocate: Callable[[], T]) -> T:
 def register_work(tensor: torch.Tensor, work: Any) -> None:
     """Have ``wait_tensor(tensor)`` (the graph's wait) wait for ``work``, as for a functional collective's."""
     torch._C._distributed_c10d._register_work(tensor, work)
+
+
+_current_graph_task_id: Callable[[], int] = _need("torch._C", "_current_graph_task_id")
+
+
+def running_backward() -> bool:
+    """Whether this thread runs an autograd backward pass now (a hook, an autograd function's backward, the recompute
+    of an activation checkpoint)."""
+    return _current_graph_task_id() != -1
 
 
 def run_by_python(fn: Callable[..., T]) -> Callable[..., T]:

@@ -83,15 +83,21 @@ class Channel:
         busy = [w for w in (model.where() for model in list(self.models)) if w is not None]
         return busy[0] if busy else "outside the model"
 
-    def depart(self, reason: str) -> None:
-        """Tell the other ranks that this rank left the current round's step early (once a round)."""
+    def depart(self, reason: str, quiet: bool = False) -> None:
+        """Tell the other ranks that this rank left the current round's step early (once a round); ``quiet``: it may
+        well be legal (another forward of the step, which every rank makes), and is logged only if the group is
+        poisoned for it."""
         with self._lock:
             if self.cause is not None or self.epoch in self._departed:
                 return
             self._departed.add(self.epoch)
             epoch = self.epoch
         departure = Departure(dist.get_rank(), self.seq(), reason)
-        log.warning("fsdp_compile: rank %d left a step early (group %s): %s", departure.rank, self.group_name, reason)
+        if quiet:
+            log.debug("fsdp_compile: rank %d calls the model again before a backward (group %s): checking that every "
+                      "rank does", departure.rank, self.group_name)
+        else:
+            log.warning("fsdp_compile: rank %d left a step early (group %s): %s", departure.rank, self.group_name, reason)
         self.store.append(f"{_PREFIX}left/{epoch}", departure.to_json() + "\n")
         self.store.add(f"{_PREFIX}events", 1)
 

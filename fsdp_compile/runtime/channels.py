@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from fsdp_compile._departure import describe, root_cause
 from fsdp_compile._internals import failures
 from fsdp_compile.runtime.channel import Channel, helper_waits, watchers
 
@@ -61,10 +62,9 @@ def _install_exit_hooks() -> None:
     previous = sys.excepthook
 
     def excepthook(kind: type[BaseException], value: BaseException, traceback: Any) -> None:
-        message = str(value).strip().splitlines()[0] if str(value).strip() else ""
         for channel in _live_channels():
             with contextlib.suppress(RuntimeError):  # the store may be gone too
-                channel.depart(f"exited: an uncaught {kind.__name__}: {message[:300]}")
+                channel.depart(f"exited: an uncaught {describe(root_cause(value), 300)}")
         previous(kind, value, traceback)
 
     def goodbye() -> None:

@@ -88,14 +88,18 @@ def all_to_all_avg(tensor: torch.Tensor, reduce_dtype: torch.dtype, world_size: 
     return (parts.view(world_size, part).to(reduce_dtype) / world_size).sum(0)  # NCCL's avg: scale, then sum
 
 
+_NOT_OUR_GRAPH = (
+    "a sharded parameter was read inside a graph that the fsdp_compile backend did not compile; compile the model "
+    "with torch.compile(model, backend='fsdp_compile') (or backend=fsdp_compile.backend(...)); a block compiled on its "
+    "own likewise: torch.compile(block, backend='fsdp_compile')"
+)
+
+
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
 def unshard(
     flat: torch.Tensor, accum: torch.Tensor | None, offset: int, numel: int, shape: list[int], dtype: torch.dtype
 ) -> torch.Tensor:
-    raise RuntimeError(
-        "a sharded parameter was read inside a graph that the fsdp_compile backend did not compile; "
-        "compile the model with torch.compile(model, backend='fsdp_compile') (or fsdp_compile.backend(...))"
-    )
+    raise RuntimeError(_NOT_OUR_GRAPH)
 
 
 @unshard.register_fake
@@ -103,6 +107,15 @@ def _(
     flat: torch.Tensor, accum: torch.Tensor | None, offset: int, numel: int, shape: list[int], dtype: torch.dtype
 ) -> torch.Tensor:
     return flat.new_empty(shape, dtype=dtype)
+
+
+def _unshard_backward(ctx: Any, grad: torch.Tensor) -> None:
+    """Another backend traced a training step through a marker (AOTAutograd calls this while it traces backward):
+    the same message as the marker's at run time, not autograd's "no autograd formula was registered"."""
+    raise RuntimeError(_NOT_OUR_GRAPH)
+
+
+unshard.register_autograd(_unshard_backward)
 
 
 @dataclass(frozen=True)

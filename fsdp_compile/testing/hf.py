@@ -1,0 +1,91 @@
+"""Tiny Hugging Face causal LMs for the tests (needs ``transformers``; LoRA needs ``peft``), and their training side by
+side with the unsharded model: the fine-tuning and gradient-checkpointing tests share them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_compile._state_dict import full_state_dict
+from fsdp_compile.testing.reference import full_grads, micro_batch_step, rel_error
+
+__all__ = ["VOCAB", "add_lora", "is_decoder_layer", "tiny_causal_lm", "train_side_by_side", "trainable"]
+
+VOCAB = 64
+
+
+def tiny_causal_lm(family: str = "llama", dtype: torch.dtype = torch.float64, *, hidden: int = 16,
+                   layers: int = 2) -> nn.Module:
+    """A randomly initialised ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (``family``): 2 heads sharing one key-value
+    head, eager attention, untied embeddings. Seed before calling."""
+    import transformers
+
+    config_class, model_class = {
+        "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+        "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+    }[family]
+    cfg = config_class(
+        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=5 * hidden // 2, num_hidden_layers=layers,
+        num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
+        attn_implementation="eager",
+    )
+    return model_class(cfg).to(dtype)
+
+
+def add_lora(lm: nn.Module) -> nn.Module:
+    """peft's LoRA as its docs set it up (r=4 on the q and v projections); on a bf16 model, peft's default
+    (``autocast_adapter_dtype=True``) makes the adapters float32: two dtypes in every decoder layer. peft's B starts at
+    zero: here it is drawn, so that the adapters have a gradient to check."""
+    import peft
+
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+    model = peft.get_peft_model(lm, config)
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            nn.init.normal_(param, std=0.02)
+    return model
+
+
+def is_decoder_layer(fqn: str, module: nn.Module) -> bool:
+    """The ``units=`` predicate: Hugging Face's decoder layers."""
+    return type(module).__name__.endswith("DecoderLayer")
+
+
+def trainable(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in module.named_parameters() if p.requires_grad}
+
+
+def train_side_by_side(
+    run: Callable[..., torch.Tensor], run_ref: Callable[..., torch.Tensor], lm: nn.Module, ref_lm: nn.Module, *,
+    steps: int, rank: int, world_size: int, after_backward: Callable[[int], None] = lambda step: None,
+) -> dict[str, float]:
+    """``steps`` AdamW steps (lr 1e-2) of the sharded model (``run(inputs, targets) -> loss``, its Hugging Face model
+    ``lm``) on this rank's micro-batch, and of the unsharded one (``run_ref``, ``ref_lm``) on every rank's micro-batch,
+    gradients averaged (``micro_batch_step``). Returns the worst relative errors of the mean loss, the trainable
+    gradients and, after the steps, the parameters. ``after_backward(step)`` runs after the sharded backward. Frozen
+    parameters must get no gradient."""
+    opt = torch.optim.AdamW(trainable(lm).values(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(trainable(ref_lm).values(), lr=1e-2)
+    worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    for step in range(steps):
+        tokens = torch.randint(0, VOCAB, (2 * world_size, 9), generator=torch.Generator().manual_seed(step))
+        local = tokens[2 * rank : 2 * rank + 2]
+        loss = run(local[:, :-1], local[:, 1:])
+        loss.backward()
+        after_backward(step)
+        ref_loss = micro_batch_step(run_ref, tokens, world_size)
+        losses = [torch.zeros((), dtype=loss.dtype) for _ in range(world_size)]
+        dist.all_gather(losses, loss.detach())
+        worst["loss"] = max(worst["loss"], rel_error(torch.stack(losses).mean(), ref_loss))
+        grads = full_grads(lm)
+        for name, param in trainable(ref_lm).items():
+            worst["grad"] = max(worst["grad"], rel_error(grads[name], param.grad))
+        assert all(p.grad is None for p in lm.parameters() if not p.requires_grad)
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    trained = full_state_dict(lm)
+    for name, want in ref_lm.state_dict().items():
+        worst["param"] = max(worst["param"], rel_error(trained[name], want))
+    return worst
