@@ -12,6 +12,9 @@
 #     options; TAG: the output files' name; TRACE=1 (host activity too) or TRACE=kernels: each system's profiler
 #     trace kept, summarized into $OUT/trace_summary_<tag>.txt (benchmarks/trace_summary.py); TORCHRUN_ARGS: more
 #     torchrun options, e.g. "--numa-binding node" (torch 2.9+, needs numactl).
+#   COMPILE_TIME=1 (one GPU): compile_time.py, the first step's compile time of the default, regions=False and plain
+#     torch.compile at the 0.95B shape and at 80 layers of dim 1024 (COMPILE_ARGS: more of its options, e.g.
+#     "--float8 tensorwise" with torchao carried as a wheel).
 #   CONTENTION=1, HOST_COST=1, NCCL_BUFFERS=1: gemm_contention.py, ce_host_cost.py, nccl_buffers.py; META_INIT=1
 #     (one GPU): meta_init_memory.py (the 70B shape on rank 0 of a fake 64), then examples/big_model.py at 8.8B.
 # For example:
@@ -71,6 +74,14 @@ if [ "${TESTS:-1}" = 1 ]; then
     gpu_tests "$OUT/pytest_gpu.log" "not 4gpus" tests || status=1
   fi
 fi
+if [ "${COMPILE_TIME:-0}" = 1 ]; then
+  for shape in "0.95b --dim 2048 --layers 16" "80x1024 --dim 1024 --layers 80"; do
+    set -- $shape; name=$1; shift
+    timeout 540 python3 benchmarks/compile_time.py --device cuda --world 1 --head-dim 128 --vocab 32000 --seq 2048 \
+      --dtype bfloat16 --systems default regions_off plain "$@" ${COMPILE_ARGS:-} --out "$OUT/compile_time_$name.json" \
+      >"$OUT/compile_time_$name.log" 2>&1 || { echo "compile_time $name exit $?"; status=1; }
+  done
+fi
 if [ "${CONTENTION:-0}" = 1 ]; then
   timeout 300 torchrun --nproc_per_node "$NPROC" benchmarks/gemm_contention.py >"$OUT/contention_$NPROC.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "gemm_contention exit $rc"; status=1; }
@@ -113,6 +124,7 @@ fi
 
 echo "== summary =="
 [ -f "$OUT/pytest_gpu.log" ] && grep -E "^overlap o|passed|failed|skipped|SKIPPED|rror" "$OUT/pytest_gpu.log" | tail -n 8
+for log in "$OUT"/compile_time_*.log; do [ -f "$log" ] && grep -E "^\||^first|rror" "$log"; done
 [ -f "$OUT/contention_$NPROC.log" ] && grep -E "alone|^\| |rror" "$OUT/contention_$NPROC.log" | tail -n 60
 [ -f "$OUT/ce_host_cost_$NPROC.log" ] && grep -E "^\| |rror" "$OUT/ce_host_cost_$NPROC.log"
 [ -f "$OUT/nccl_buffers_$NPROC.log" ] && grep -E "^\| |ranks|rror" "$OUT/nccl_buffers_$NPROC.log"

@@ -36,6 +36,7 @@ KEYS: dict[str, tuple[tuple[str, ...], str]] = {
     "overlap": (BOOL, "backend option: the overlap pass"),
     "memory_plan": (BOOL, "backend option: the memory plan's slabs"),
     "gradients_in_place": (BOOL, "backend option: gradients written into the flat gradient (0: packed)"),
+    "regions": (BOOL, "backend option: each distinct block body compiled once (0: the whole step as one graph)"),
     "exchange_grads_in_param_dtype": (BOOL, "MixedPrecision option (0: an fp32 reduce-scatter)"),
     "keep_gathered": (BOOL, "every unit gathered from forward to backward (reshard_after_forward=False)"),
     "barriers": (("memops", "kernels"), "copy-engine barriers: the driver's stream memory operations, or "
@@ -45,14 +46,14 @@ KEYS: dict[str, tuple[tuple[str, ...], str]] = {
 }
 """Spec keys: their values (``0``/``1`` for a switch) and what they set."""
 FAMILY_KEYS: dict[str, tuple[str, ...]] = {
-    "no_comm_bound": ("cudagraphs",),
+    "no_comm_bound": ("cudagraphs", "regions"),
     "fsdp2_eager": ("hsdp",),
     "fsdp2_compile": ("hsdp",),
     "simplefsdp": (),
     "fsdp_compile": tuple(KEYS),
 }
 """The keys each family takes."""
-BACKEND_KEYS = ("all_gather", "grad_reduce", "cudagraphs", "overlap", "memory_plan", "gradients_in_place")
+BACKEND_KEYS = ("all_gather", "grad_reduce", "cudagraphs", "overlap", "memory_plan", "gradients_in_place", "regions")
 """The keys that are ``fsdp_compile.backend(**options)``'s options."""
 ROUTE_NAMES = {
     ("auto", "auto"): "", ("copy_engine", "auto"): "copy_engine", ("nccl", "nccl"): "nccl",
@@ -73,6 +74,7 @@ class Spec:
     overlap: bool = True
     memory_plan: bool = True
     gradients_in_place: bool = True
+    regions: bool = True
     exchange_grads_in_param_dtype: bool = True
     keep_gathered: bool = False
     barriers: str = "memops"
@@ -104,6 +106,7 @@ class Spec:
         route = ROUTE_NAMES.get(routes, "{}_gather_{}_exchange".format(*routes))
         words = ((True, self.family), (True, route), (not self.overlap, "no_overlap"),
                  (not self.exchange_grads_in_param_dtype, "reduce_scatter"), (not self.gradients_in_place, "packed"),
+                 (not self.regions, "whole_graph"),
                  (self.keep_gathered, "keep_gathered"), (not self.memory_plan, "unplanned"),
                  (self.barriers == "kernels", "barrier_kernels"), (self.hsdp, "hsdp"), (self.cudagraphs, "cudagraphs"))
         return "_".join(word for wanted, word in words if wanted and word)

@@ -21,6 +21,7 @@ from fsdp_compile._agree import EagerFirstForward
 from fsdp_compile._optimizer_guard import mark_replaced, watch_optimizers
 from fsdp_compile._outside_forward import metadata_reads
 from fsdp_compile._plan_shard import ShardPlan, UnitPlan
+from fsdp_compile._regions import Regions
 from fsdp_compile._sharded_state_dict import install_state_dict_hooks
 from fsdp_compile._unit import SLOTS_ATTR, UNITS_ATTR, UnitState, cut_pieces, register_units
 from fsdp_compile._watch import WATCH_ATTR, ModelWatch, call_watched
@@ -29,6 +30,19 @@ __all__ = ["apply_shard"]
 
 GROUPS_ATTR = "_fsdp_compile_groups"
 """On every unit module but the root: its units (one per group of parameters: dtype, ``requires_grad``)."""
+FLAGS_ATTR = "_fsdp_compile_flags"
+"""On every unit module but the root: (path, the names of its class-level flags) for each of its modules that has some
+(paths, not modules: no reference cycle through the module)."""
+_FLAG_TYPES = (bool, int, float, str, type(None))
+
+
+def _class_flags(cls: type[nn.Module]) -> tuple[str, ...]:
+    """The plain values (bool, number, str, None) the classes of ``cls``'s MRO up to ``nn.Module`` define: flags a
+    forward may read and an instance may shadow (``block.fail = True``)."""
+    mro = cls.__mro__[: cls.__mro__.index(nn.Module)]
+    names = {name for klass in mro for name, value in vars(klass).items()
+             if isinstance(value, _FLAG_TYPES) and not name.startswith("__")}
+    return tuple(sorted(names))
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +85,8 @@ def apply_shard(
         if state.layout.fqn:  # a unit module's forward finds its unit gathered, however it is called
             unit_module = module.get_submodule(state.layout.fqn)
             unit_module.__dict__.setdefault(GROUPS_ATTR, []).append(state)
+            unit_module.__dict__[FLAGS_ATTR] = tuple(
+                (path, flags) for path, sub in unit_module.named_modules() if (flags := _class_flags(type(sub))))
             sharded_modules[id(unit_module)] = unit_module
     for owner in sharded_modules.values():
         names = tuple(sorted(getattr(owner, SLOTS_ATTR, {})))
@@ -284,13 +300,25 @@ def _gathered_forward(cls: type[nn.Module]) -> Any:
     """``cls.forward`` run with the module's unit gathered (``UnitState.gathered_for_forward``): a unit module's
     forward called other than through its ``__call__``, whose hooks gather the unit. Hugging Face's gradient
     checkpointing checkpoints ``forward`` (so that FSDP2's module hooks stay outside the checkpoint), and its
-    recompute in backward reads the parameters with no hook around it; FSDP2 gathers for backward from autograd."""
+    recompute in backward reads the parameters with no hook around it; FSDP2 gathers for backward from autograd.
+    Traced, a nested compile region: the units of a class that agree share one body ([Note: shared bodies]). Dynamo (torch
+    2.13) traces a body once and reuses it for the next unit after re-checking its guards, but misses that an attribute
+    the body read from the class is still absent from the next unit's instance: a flag set on one unit after the first
+    compile went unseen. So the unit's modules' plain class-level attributes (``FLAGS_ATTR``) are read before the region,
+    where Dynamo guards them per unit."""
     forward = cls.forward
+    region = _internals.compile_region(forward)
 
     @functools.wraps(forward)
     def gathered_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling():  # the graph gathers the unit itself
-            return forward(module, *args, **kwargs)
+        if torch.compiler.is_compiling():  # the graph gathers the unit itself; units alike share one traced body
+            if region is None or not Regions.on:
+                return forward(module, *args, **kwargs)
+            for path, names in module.__dict__[FLAGS_ATTR]:
+                sub = module.get_submodule(path)
+                for name in names:
+                    getattr(sub, name)  # guarded per unit (see the docstring)
+            return region(module, *args, **kwargs)
         gathered = _gather_for_forward(module)
         try:
             return forward(module, *args, **kwargs)

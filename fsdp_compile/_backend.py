@@ -10,6 +10,7 @@ forward and backward graphs (Inductor's post-grad graphs, or the AOT graphs unde
 from __future__ import annotations
 
 import functools
+import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -24,7 +25,8 @@ from fsdp_compile._agree import MODEL_HINT, agree
 from fsdp_compile._apply_shard import unsharded_parameter_message
 from fsdp_compile._describe import units_json
 from fsdp_compile._internals import PassPipeline, counters, inductor_config, lifetime
-from fsdp_compile._unit import UnitState
+from fsdp_compile._layout import unit_label
+from fsdp_compile._unit import UnitState, unit_of_shard
 from fsdp_compile._watch import ModelWatch, WatchedGraph
 from fsdp_compile.config import BackendConfig
 from fsdp_compile.lowering.choose_route import Collective, Routes, resolve_routes
@@ -36,7 +38,8 @@ from fsdp_compile.passes.insert_collectives import (
     apply_collectives,
     plan_collectives,
 )
-from fsdp_compile.passes.map_unit_inputs import UnitInputsPlan, plan_unit_inputs
+from fsdp_compile.passes._graph import holds_collectives, inline_region_calls, region_calls
+from fsdp_compile.passes.map_unit_inputs import UnitInputsPlan, iter_graphs, plan_unit_inputs
 from fsdp_compile.passes.plan_memory import PlanMemory
 from fsdp_compile.passes.reshard_after_forward import ReshardAfterForward
 from fsdp_compile.passes.schedule_overlap import ScheduleOverlap
@@ -70,7 +73,8 @@ def _post_grad_passes(
         passes.append(LowerToCopyEngines(all_gather=gathers, grad_reduce=exchanges))
     if gloo:
         passes.append(InterruptWaits())
-    return PassPipeline(passes)
+    bodies = [WriteGradientsInPlace()] if config.gradients_in_place else []  # a backward body returns its gradient
+    return PassPipeline(passes, bodies, is_body=lambda graph: not holds_collectives(graph))
 
 
 def _inductor_settings(config: BackendConfig, post_grad: PassPipeline) -> dict[str, Any]:
@@ -133,6 +137,8 @@ def _eager_compiler(
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         debug.record(stage, gm)
         with _dump.dumping(config.dump):
+            for body in dict.fromkeys(getattr(gm, call.args[0].target) for call in region_calls(gm)):
+                post_grad(body.graph)  # as Inductor does: the bodies first
             post_grad(gm.graph)
         return WatchedGraph(_internals.make_boxed_func(gm.forward), watches, stage)
 
@@ -205,17 +211,54 @@ def _agree_on_gathers(plan: CollectivesPlan, unit_inputs: UnitInputsPlan, route:
         agree(group, device, f"the compiled graph {_internals.current_compile_id()}", gathers, hint)
 
 
+def _keep_shared_bodies(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig, cudagraphs: bool
+) -> None:
+    """The region calls the units' bodies are shared through, top-level calls only: a region inside another or inside
+    a checkpointed region is written out where it is called, and with ``regions=False`` every one is (the whole step as
+    one graph, as Dynamo traces it without regions); so is a unit whose flat shard has a symbolic size (another
+    unit's could not be passed to its body). Under Inductor's CUDA graphs too: its code for a body call computed wrong
+    gradients there (torch 2.13, on CPU, where the graphs are skipped). [Note: shared bodies]"""
+    symbolic = {node for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)
+                if unit_of_shard(value) is not None and not isinstance(node.meta["example_value"].numel(), int)}
+    regions = config.regions and not cudagraphs
+    if config.regions and cudagraphs and region_calls(gm):
+        debug.degraded("shared_bodies_cuda_graphs", "with CUDA graphs (cudagraphs=True, or a mode that turns them on) "
+                       "every unit is compiled where it is called: the whole step as one graph")
+    for _, graph_module in reversed(list(iter_graphs(gm))):  # innermost first: a body's own calls, then the body's
+        calls = region_calls(graph_module)
+        if graph_module is gm and regions:
+            calls = [call for call in calls if symbolic.intersection(call.args[2:])]
+        if calls:
+            inline_region_calls(graph_module, calls)
+    counters["fsdp_compile"]["shared_bodies"] += len({call.args[0].target for call in region_calls(gm)})
+
+
+def _bodies_json(gm: fx.GraphModule, plan: CollectivesPlan) -> str:
+    """Each shared body and the units whose calls run it, in call order (explain's "shared bodies")."""
+    body_of = {call.name: call.args[0].target for call in region_calls(gm)}
+    bodies: dict[str, list[str]] = {}
+    for gather in plan.gathers:
+        if gather.call is not None:
+            units = bodies.setdefault(body_of[gather.call], [])
+            units.extend([] if unit_label(gather.unit) in units else [unit_label(gather.unit)])
+    return json.dumps(bodies)
+
+
 def _insert_collectives(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig, cudagraphs: bool = False
 ) -> tuple[CollectivesPlan, Routes, list[UnitState]]:
     """The collectives inserted, their routes (resolved here, once, before the ranks agree), and the units the
     graph gathers."""
     debug.record("dynamo", gm)
     _check_parameters_sharded(gm, example_inputs)
+    _keep_shared_bodies(gm, example_inputs, config, cudagraphs)
     unit_inputs = plan_unit_inputs(gm, example_inputs)
     plan = plan_collectives(gm, unit_inputs)
     debug.artifact("units", lambda: units_json(unit_inputs.units.values()))
     debug.artifact("collectives_plan", plan.to_json)
+    if plan.bodies:
+        debug.artifact("shared_bodies", lambda: _bodies_json(gm, plan))
     debug.graph_artifact("insert_collectives_before", gm)
     routes = _resolve_routes(gm, plan, config)
     _agree_on_gathers(plan, unit_inputs, routes.describe())
@@ -249,7 +292,8 @@ def _compile(
 def _compile_dumped(
     gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig, user_settings: dict[str, Any]
 ) -> Callable[..., Any]:
-    plan, routes, states = _insert_collectives(gm, example_inputs, config)
+    cudagraphs = config.cudagraphs or bool(user_settings.get("triton.cudagraphs"))
+    plan, routes, states = _insert_collectives(gm, example_inputs, config, cudagraphs)
     groups = {group.group_name: group for state in states for group in state.groups}
     gloo = any(dist.get_backend(group) == "gloo" for group in groups.values())
     watches = {state.watch for state in states}

@@ -18,6 +18,7 @@ from torch import nn
 from fsdp_compile import _internals
 from fsdp_compile._departure import RankFailed, describe, root_cause
 from fsdp_compile._internals import failures
+from fsdp_compile._regions import call_with_regions
 from fsdp_compile.runtime.channels import channel_of
 
 __all__ = ["ModelWatch", "WatchedGraph", "call_watched", "watch_of"]
@@ -210,7 +211,7 @@ def _call(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     watch: ModelWatch = getattr(module, WATCH_ATTR)
     watch.enter()
     try:
-        output = nn.Module.__call__(module, *args, **kwargs)
+        output = call_with_regions(nn.Module.__call__, module, *args, **kwargs)
     except BaseException as error:
         watch.leave(error)
         ours = _wrapped_by_compile(error)

@@ -103,6 +103,14 @@ class BackendConfig:
     copies the unit's gradient into place. ``False``: every gradient in a buffer of its own and one copy into
     the flat gradient (for A/B measurements)."""
 
+    regions: bool = True
+    """Compile each distinct unit body once: units whose code, parameter layout and inputs agree share one traced
+    forward body and one backward body (``torch.compiler.nested_compile_region``), which each unit's call runs,
+    while every unit's all-gather, gradient reduction, prefetch and memory plan stay in the step's graphs, unit by
+    unit ([Note: shared bodies] in docs/architecture.md). The first step's compile then grows little with the
+    model's depth. ``False``: the whole step as one graph, every unit's code written out (Inductor may fuse across
+    the units' edges). A torch without nested compile regions compiles the whole step (logged once)."""
+
     cudagraphs: bool = False
     """Run the forward and backward graphs as CUDA graphs (Inductor's ``triton.cudagraphs``): one replay
     per graph instead of one launch per kernel and collective. For steps the host cannot enqueue as fast
@@ -137,7 +145,7 @@ class BackendConfig:
         _check_choice("compiler", self.compiler, ("inductor", "aot_eager"))
         _check_choice("all_gather", self.all_gather, ("nccl", "copy_engine", "auto"))
         _check_choice("grad_reduce", self.grad_reduce, ("nccl", "copy_engine", "auto"))
-        for name in ("overlap", "memory_plan", "gradients_in_place", "cudagraphs"):
+        for name in ("overlap", "memory_plan", "gradients_in_place", "regions", "cudagraphs"):
             _check_bool(name, getattr(self, name))
         _check_int("prefetch", self.prefetch, minimum=0, meaning="units issued ahead")
         _check_int(

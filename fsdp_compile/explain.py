@@ -50,6 +50,8 @@ class GraphDump:
     (``lowering/choose_route.py``); a fixed route is not listed."""
     in_place: dict[str, Any] | None = None
     """The backward's ``write_gradients_in_place`` plan (None when the pass was off)."""
+    bodies: dict[str, list[str]] = field(default_factory=dict)
+    """Each shared body (compiled once for forward and once for backward) -> the units whose calls run it."""
 
     @property
     def fingerprint(self) -> str:
@@ -88,7 +90,7 @@ def _lines(path: Path) -> list[str]:
 
 def _graph(rank: int, folder: Path) -> GraphDump | None:
     units: list[dict[str, Any]] | None = None
-    schedules, memory, routes, in_place = {}, None, {}, None
+    schedules, memory, routes, in_place, bodies = {}, None, {}, None, {}
     files = [(match, path) for path in folder.iterdir() if (match := _FILE.match(path.name)) and match[4] == "json"]
     for match, path in sorted(files, key=lambda f: int(f[0][1])):  # in the order logged: the last memory plan wins
         stage, name = match[2], match[3]
@@ -100,9 +102,14 @@ def _graph(rank: int, folder: Path) -> GraphDump | None:
             memory = json.loads(path.read_text())
         elif name in ("all_gather_route", "grad_reduce_route"):
             routes[name.removesuffix("_route")] = json.loads(path.read_text())
-        elif name == "write_gradients_in_place_plan" and stage == "backward":
-            in_place = json.loads(path.read_text())
-    return None if units is None else GraphDump(rank, folder.name, units, schedules, memory, routes, in_place)
+        elif name == "write_gradients_in_place_plan" and stage == "backward":  # the step's, and its bodies'
+            plan = json.loads(path.read_text())
+            in_place = plan if in_place is None else {
+                "units": in_place["units"] + plan["units"], "left": in_place["left"] + plan["left"],
+                "matmuls": in_place["matmuls"] + plan["matmuls"]}
+        elif name == "shared_bodies":
+            bodies = json.loads(path.read_text())
+    return None if units is None else GraphDump(rank, folder.name, units, schedules, memory, routes, in_place, bodies)
 
 
 def _mib(nbytes: float) -> str:
@@ -233,6 +240,9 @@ def report(dump: Dump, trace: Measured | None = None) -> str:
         hsdp = f" x {replicas} replicas" if replicas > 1 else ""
         lines += ["", f"{g.name}: {len(g.units)} units over {world} ranks{hsdp}"]
         lines += _units_table(g.units)
+        for body, body_units in g.bodies.items():
+            lines.append(f"shared body {body}: compiled once for forward and once for backward, run by "
+                         f"{len(body_units)} units ({', '.join(body_units)})")
         for option, choice in g.routes.items():
             what = {"all_gather": "all-gather", "grad_reduce": "gradient exchange"}[option]
             lines.append(f"{what} route chosen by 'auto': {choice['route']} ({choice['reason']})")

@@ -30,11 +30,14 @@ __all__ = [
     "call_with_value",
     "graph_module",
     "has_symbolic_size",
+    "holds_collectives",
+    "inline_region_calls",
     "lint_and_recompile",
     "named",
     "nbytes",
     "plan_json",
     "producers",
+    "region_calls",
     "wait_of",
 ]
 
@@ -119,6 +122,54 @@ def _plain(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _plain(v) for k, v in value.items()}
     return value
+
+
+def holds_collectives(graph: fx.Graph) -> bool:
+    """Whether ``graph`` gathers or reduces a unit: a step's graph (over more than one rank), not a shared body."""
+    return any(graph.find_nodes(op="call_function", target=t) for t in (ALL_GATHER, *GRAD_REDUCTIONS, ALL_REDUCE))
+
+
+def region_calls(gm: fx.GraphModule) -> list[fx.Node]:
+    """The calls of nested compile regions' bodies in ``gm``'s own graph (``invoke_subgraph(body, identifier,
+    *operands)``), in graph order."""
+    target = _internals.INVOKE_SUBGRAPH
+    return [] if target is None else list(gm.graph.find_nodes(op="call_function", target=target))
+
+
+def inline_region_calls(gm: fx.GraphModule, calls: Iterable[fx.Node]) -> None:
+    """Replace each of ``calls`` (region calls of ``gm``) by a copy of its body's nodes, the call's operands in place
+    of the body's placeholders: the graph as if the region's code had been traced where it is called. A body's own
+    subgraphs (a checkpointed region inside it) become ``gm``'s, under new names."""
+    for call in calls:
+        attr = call.args[0]
+        body = getattr(gm, attr.target)
+        env: dict[fx.Node, Any] = dict(zip(body.graph.find_nodes(op="placeholder"), call.args[2:]))
+        with gm.graph.inserting_before(call):
+            for node in body.graph.nodes:
+                if node.op in ("placeholder", "output"):
+                    continue
+                copy = gm.graph.node_copy(node, lambda n: env[n])
+                if node.op == "get_attr":
+                    copy.target = _adopt(gm, node.target, getattr(body, node.target))
+                env[node] = copy
+        outputs = body.graph.output_node().args[0]
+        for user in list(call.users):  # getitem(call, i)
+            user.replace_all_uses_with(env[outputs[user.args[1]]])
+            gm.graph.erase_node(user)
+        gm.graph.erase_node(call)
+        if not attr.users:
+            gm.graph.erase_node(attr)
+    lint_and_recompile(gm)
+
+
+def _adopt(gm: fx.GraphModule, name: str, module: torch.nn.Module) -> str:
+    """Register ``module`` on ``gm`` under ``name`` or, where taken, a new name like it; return the name."""
+    new, number = name, 0
+    while hasattr(gm, new):
+        number += 1
+        new = f"{name}_{number}"
+    gm.register_module(new, module)
+    return new
 
 
 def graph_module(graph: fx.Graph) -> fx.GraphModule:

@@ -10,6 +10,10 @@ AOTAutograd emit one gradient reduction per unit in the backward graph (a reduce
 all-to-all when gradients travel in ``param_dtype``), followed, for a replicated unit (HSDP), by an all-reduce
 of the reduced shard over the replicas.
 
+A shared body (a nested compile region: ``invoke_subgraph(body, identifier, *operands)`` at the top of the graph,
+one body for every unit alike, [Note: shared bodies]) holds no collective: each call site gathers its own unit
+before the call and passes the gathered unit as the operand, and the body reads its parameters as views of it.
+
 Example (a unit with two parameters)::
 
     w = fsdp_compile.unshard(flat_1, None, 0, 64, [8, 8], torch.float32)
@@ -18,6 +22,11 @@ Example (a unit with two parameters)::
     full = cast_all_gather_differentiable(flat_1, None, torch.float32, torch.float32, "reduce_scatter", 2, "0", 1, None)
     w = torch.narrow(full, 0, 0, 64).view([8, 8])
     b = torch.narrow(full, 0, 64, 8).view([8])
+  and a shared body's call
+    out = invoke_subgraph(body_0, "body_0", x, flat_1)       body_0(x, flat): w = unshard(flat, None, 0, 64, ...)
+  becomes
+    full = cast_all_gather_differentiable(flat_1, ...)
+    out = invoke_subgraph(body_0, "body_0", x, full)         body_0(x, full): w = narrow(full, 0, 0, 64).view([8, 8])
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ from torch.fx.operator_schemas import normalize_function
 
 from fsdp_compile._layout import UNIT, ParamSlot
 from fsdp_compile._unit import UnitState
-from fsdp_compile.passes._graph import lint_and_recompile, plan_json
+from fsdp_compile.passes._graph import lint_and_recompile, plan_json, region_calls
 from fsdp_compile.passes.map_unit_inputs import UnitInputsPlan, iter_graphs
 from fsdp_compile.runtime.ops import (
     KEEP_GATHERED,
@@ -41,7 +50,7 @@ from fsdp_compile.runtime.ops import (
     unshard,
 )
 
-__all__ = ["CollectivesPlan", "UnitGather", "apply_collectives", "is_marker", "plan_collectives"]
+__all__ = ["BodyInput", "CollectivesPlan", "UnitGather", "apply_collectives", "is_marker", "plan_collectives"]
 
 log = logging.getLogger(__name__)
 
@@ -57,11 +66,12 @@ class ParamView(NamedTuple):
 
 @dataclass(frozen=True)
 class UnitGather:
-    """One all-gather: the unit's flat-shard placeholder, its collective settings and the views it feeds."""
+    """One all-gather: the unit's flat-shard placeholder, its collective settings and the views it feeds (or the
+    shared body's call it feeds)."""
 
     unit: str
     graph: str
-    """Dotted path of the (sub)graph holding the markers: "" for the Dynamo graph itself."""
+    """Dotted path of the (sub)graph holding the markers (or the call): "" for the Dynamo graph itself."""
     shard: str
     accum: str | None
     """Placeholder of the unit's unsharded gradient accumulator (gradient sync off), or None."""
@@ -75,11 +85,26 @@ class UnitGather:
     """HSDP: the number of replicas the reduced gradient is then averaged over (1: not replicated)."""
     replicate_group_name: str | None
     views: tuple[ParamView, ...]
+    call: str | None = None
+    """A shared body's call that reads the unit (then ``views`` is empty: the body's ``BodyInput`` has them)."""
+
+
+@dataclass(frozen=True)
+class BodyInput:
+    """A shared body's placeholder for a unit's flat shard, which becomes the gathered unit: ``numel`` elements of
+    ``dtype``, read by ``views``."""
+
+    body: str
+    placeholder: str
+    numel: int
+    dtype: torch.dtype
+    views: tuple[ParamView, ...]
 
 
 @dataclass(frozen=True)
 class CollectivesPlan:
     gathers: tuple[UnitGather, ...]
+    bodies: tuple[BodyInput, ...] = ()
 
     def to_json(self) -> str:
         return plan_json(self)
@@ -96,8 +121,53 @@ def is_marker(node: fx.Node) -> bool:
     return node.op == "call_function" and node.target in (_MARKER_OP, _MARKER_OP.default, unshard)
 
 
+def _gather(state: UnitState, graph: str, shard: str, accum: str | None, views: tuple[ParamView, ...],
+            call: str | None = None) -> UnitGather:
+    return UnitGather(
+        unit=state.layout.name,
+        graph=graph,
+        shard=shard,
+        accum=accum,
+        param_dtype=state.param_dtype,
+        reduce_dtype=state.reduce_dtype,
+        grad_reduction=state.grad_reduction,
+        reshard_after_forward=state.reshard_after_forward,
+        world_size=state.world_size,
+        group_name=state.group_name,
+        replicas=state.replicas,
+        replicate_group_name=state.replicate_group_name,
+        views=views,
+        call=call,
+    )
+
+
+def _shape(state: UnitState) -> tuple[object, ...]:
+    """What a shared body reads of a unit: its parameters' places in the gathered unit, its size and dtype."""
+    slots = tuple((slot.offset, slot.numel, slot.shape) for slot in state.layout.slots)
+    return slots, state.layout.padded_numel, state.param_dtype
+
+
+def _body_calls(gm: fx.GraphModule, body: str, state: UnitState, shard: str, accum: str | None,
+                unit_inputs: UnitInputsPlan) -> list[UnitGather]:
+    """A gather before each call of the shared body ``body`` (a top-level region) for the unit that the call passes
+    as the body's placeholder ``shard`` (and its gradient accumulator as ``accum``)."""
+    placeholders = [n.name for n in getattr(gm, body).graph.find_nodes(op="placeholder")]
+    gathers = []
+    for call in region_calls(gm):
+        if call.args[0].target != body:
+            continue
+        operands = dict(zip(placeholders, call.args[2:]))
+        operand = operands[shard]
+        unit = unit_inputs.units.get(("", operand.name)) if isinstance(operand, fx.Node) else None
+        if unit is None or _shape(unit) != _shape(state):
+            raise AssertionError(f"{call.name} passes {operand} where body {body} reads unit {state.layout.name!r}")
+        call_accum = operands[accum].name if accum is not None else None
+        gathers.append(_gather(unit, "", operand.name, call_accum, (), call.name))
+    return gathers
+
+
 def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputsPlan) -> CollectivesPlan:
-    """One gather per unit and (sub)graph that reads it, in graph order."""
+    """One gather per unit and (sub)graph that reads it, in graph order; for a shared body, one per call."""
     views: dict[tuple[str, str], list[ParamView]] = {}
     accums: dict[tuple[str, str], str | None] = {}
     for path, graph_module in iter_graphs(gm):
@@ -123,27 +193,17 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputsPlan) -> Collect
                 raise AssertionError(f"{node.name}: unit {state.layout.name!r} read with two gradient accumulators")
             view = ParamView(node.name, _slot(state, kwargs["offset"], kwargs["numel"], tuple(kwargs["shape"])))
             views.setdefault(key, []).append(view)
-    gathers = []
+    shared = {call.args[0].target for call in region_calls(gm)}
+    gathers, bodies = [], []
     for (path, shard_name), unit_views in views.items():
         state = unit_inputs.units[(path, shard_name)]
-        gathers.append(
-            UnitGather(
-                unit=state.layout.name,
-                graph=path,
-                shard=shard_name,
-                accum=accums[(path, shard_name)],
-                param_dtype=state.param_dtype,
-                reduce_dtype=state.reduce_dtype,
-                grad_reduction=state.grad_reduction,
-                reshard_after_forward=state.reshard_after_forward,
-                world_size=state.world_size,
-                group_name=state.group_name,
-                replicas=state.replicas,
-                replicate_group_name=state.replicate_group_name,
-                views=tuple(unit_views),
-            )
-        )
-    return CollectivesPlan(gathers=tuple(gathers))
+        accum = accums[(path, shard_name)]
+        if path in shared:
+            bodies.append(BodyInput(path, shard_name, state.layout.padded_numel, state.param_dtype, tuple(unit_views)))
+            gathers.extend(_body_calls(gm, path, state, shard_name, accum, unit_inputs))
+        else:
+            gathers.append(_gather(state, path, shard_name, accum, tuple(unit_views)))
+    return CollectivesPlan(gathers=tuple(gathers), bodies=tuple(bodies))
 
 
 def _add(graph: fx.Graph, op: str, target: object, args: tuple[object, ...]) -> fx.Node:
@@ -157,15 +217,41 @@ def _add(graph: fx.Graph, op: str, target: object, args: tuple[object, ...]) -> 
     return node
 
 
+def _replace_markers(graph: fx.Graph, full: fx.Node, views: tuple[ParamView, ...], unit: str) -> None:
+    """Each marker of ``views`` becomes a narrow and view of the gathered unit ``full``."""
+    nodes = {n.name: n for n in graph.nodes}
+    for view, marker in ((v, nodes[v.marker]) for v in views):
+        with graph.inserting_before(marker):
+            narrowed = _add(graph, "call_function", torch.narrow, (full, 0, view.slot.offset, view.slot.numel))
+            param = _add(graph, "call_method", "view", (narrowed, list(view.slot.shape)))
+        for node in (narrowed, param):
+            node.meta["custom"] = {**node.meta.get("custom", {}), UNIT: unit}
+        marker.replace_all_uses_with(param)
+        graph.erase_node(marker)
+
+
+def _gathered_input(gm: fx.GraphModule, body: BodyInput) -> None:
+    """The shared body's placeholder for a flat shard becomes the gathered unit, which its markers read."""
+    body_gm = gm.get_submodule(body.body)
+    placeholder = next(n for n in body_gm.graph.find_nodes(op="placeholder") if n.name == body.placeholder)
+    shard = placeholder.meta["example_value"]
+    with shard.fake_mode:
+        placeholder.meta["example_value"] = placeholder.meta["val"] = shard.new_empty(body.numel, dtype=body.dtype)
+    _replace_markers(body_gm.graph, placeholder, body.views, f"shared by {body.body}")
+
+
 def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
     touched = {}
+    for body in plan.bodies:
+        _gathered_input(gm, body)
+        touched[body.body] = gm.get_submodule(body.body)
     for gather in plan.gathers:
         graph_module = gm.get_submodule(gather.graph) if gather.graph else gm
         touched[gather.graph] = graph_module
         graph = graph_module.graph
         nodes = {n.name: n for n in graph.nodes}
-        markers = [nodes[v.marker] for v in gather.views]
-        with graph.inserting_before(markers[0]):
+        first = nodes[gather.call] if gather.call else nodes[gather.views[0].marker]
+        with graph.inserting_before(first):
             full = _add(
                 graph,
                 "call_function",
@@ -184,13 +270,9 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
             )
             keep = {KEEP_GATHERED: True} if not gather.reshard_after_forward else {}
             full.meta["custom"] = {**full.meta.get("custom", {}), UNIT: gather.unit, **keep}
-        for view, marker in zip(gather.views, markers):
-            with graph.inserting_before(marker):
-                narrowed = _add(graph, "call_function", torch.narrow, (full, 0, view.slot.offset, view.slot.numel))
-                param = _add(graph, "call_method", "view", (narrowed, list(view.slot.shape)))
-            param.meta["custom"] = {**param.meta.get("custom", {}), UNIT: gather.unit}
-            marker.replace_all_uses_with(param)
-            graph.erase_node(marker)
+        if gather.call:
+            first.args = tuple(full if a is nodes[gather.shard] else a for a in first.args)
+        _replace_markers(graph, full, gather.views, gather.unit)
     leftover = [n.format_node() for _, g in iter_graphs(gm) for n in g.graph.nodes if is_marker(n)]
     if leftover:
         raise AssertionError(f"insert_collectives left markers behind: {leftover}")

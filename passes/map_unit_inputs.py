@@ -3,8 +3,9 @@ shards they are.
 
 Precondition: ``gm`` is the graph Dynamo hands to a backend, ``example_inputs`` the real tensors in
 placeholder order (Dynamo passes the unit's flat shard itself, so identity identifies it). Regions that
-Dynamo keeps as subgraphs (``torch.utils.checkpoint`` -> ``tag_activation_checkpoint``, ``wrap``) receive
-the flat shard as an operand: their placeholder for it maps to the same unit.
+Dynamo keeps as subgraphs (``torch.utils.checkpoint`` -> ``tag_activation_checkpoint``, ``wrap``; a unit's shared
+body, ``invoke_subgraph``) receive the flat shard as an operand: their placeholder for it maps to the same unit (a
+shared body's, to the unit of its first call: every call passes a unit of the same layout).
 Postcondition: none (analysis only).
 
 Example::
@@ -25,6 +26,7 @@ from types import MappingProxyType
 import torch
 import torch.fx as fx
 
+from fsdp_compile import _internals
 from fsdp_compile._unit import UnitState, unit_of_shard
 
 __all__ = ["UnitInputsPlan", "iter_graphs", "plan_unit_inputs"]
@@ -49,25 +51,39 @@ def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
 
 def _subgraph_calls(gm: fx.GraphModule) -> Iterator[tuple[str, fx.GraphModule, list[object]]]:
     for node in gm.graph.nodes:
-        if node.op == "call_function" and node.target in _SUBGRAPH_HOPS and node.args[0].op == "get_attr":
+        if node.op != "call_function" or not node.args or not isinstance(node.args[0], fx.Node) or (
+                node.args[0].op != "get_attr"):
+            continue
+        if node.target in _SUBGRAPH_HOPS:
             body, *operands = node.args
-            yield body.target, getattr(gm, body.target), operands
+        elif node.target is _internals.INVOKE_SUBGRAPH and _internals.INVOKE_SUBGRAPH is not None:
+            body, _, *operands = node.args
+        else:
+            continue
+        yield body.target, getattr(gm, body.target), operands
 
 
 def iter_graphs(gm: fx.GraphModule, path: str = "") -> Iterator[tuple[str, fx.GraphModule]]:
-    """``gm`` and, depth first, every subgraph its higher-order calls run, with dotted paths from ``gm``."""
+    """``gm`` and, depth first, every subgraph its higher-order calls run (once each, however often called), with
+    dotted paths from ``gm``."""
     yield path, gm
+    seen = set()
     for name, sub, _ in _subgraph_calls(gm):
-        yield from iter_graphs(sub, f"{path}.{name}" if path else name)
+        if name not in seen:
+            seen.add(name)
+            yield from iter_graphs(sub, f"{path}.{name}" if path else name)
 
 
 def _map_subgraphs(gm: fx.GraphModule, path: str, units: dict[tuple[str, str], UnitState]) -> None:
+    mapped = set()
     for name, sub, operands in _subgraph_calls(gm):
         sub_path = f"{path}.{name}" if path else name
         for placeholder, operand in zip(_placeholders(sub), operands):
             if isinstance(operand, fx.Node) and (path, operand.name) in units:
-                units[(sub_path, placeholder.name)] = units[(path, operand.name)]
-        _map_subgraphs(sub, sub_path, units)
+                units.setdefault((sub_path, placeholder.name), units[(path, operand.name)])
+        if name not in mapped:
+            mapped.add(name)
+            _map_subgraphs(sub, sub_path, units)
 
 
 def plan_unit_inputs(gm: fx.GraphModule, example_inputs: Sequence[object]) -> UnitInputsPlan:

@@ -1,8 +1,9 @@
 """Write each unit's parameter gradients straight into its flat gradient.
 
 Precondition: a scheduled post-grad backward graph (after ``schedule_overlap``, which places each reduction
-after its input's producer, and before ``plan_memory``, which then plans the buffer as written) in which
-a unit's flat gradient, the input of its gradient reduction, is the sum of ``slice_scatter(zeros, piece, 0,
+after its input's producer, and before ``plan_memory``, which then plans the buffer as written), or a shared
+backward body ([Note: shared bodies]: it returns its unit's flat gradient, which the step's graph reduces), in which
+a unit's flat gradient, the input of its gradient reduction or the body's output, is the sum of ``slice_scatter(zeros, piece, 0,
 start, end)`` over its parameters' gradients: how AOTAutograd differentiates the views of the gathered
 parameters (``aten.full`` of zeros, each piece a flattened gradient).
 Postcondition: that flat gradient is a buffer of its own (``aten.empty``) written in place: the gaps between
@@ -22,11 +23,13 @@ peak. The weight gradients' matmuls run as ``torch.mm``, outside Inductor's auto
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
 import torch.fx as fx
 
+from fsdp_compile import _internals
 from fsdp_compile._internals import is_view_op
 from fsdp_compile.passes._graph import (
     GRAD_REDUCTIONS,
@@ -118,20 +121,32 @@ def _product(piece: fx.Node) -> fx.Node | None:
     return node if same and result.is_contiguous() else None
 
 
+def _from_body(node: object) -> bool:
+    """Whether ``node`` is what a shared body's call returns (the body writes it in place, if it can)."""
+    return (isinstance(node, fx.Node) and node.target is operator.getitem
+            and getattr(node.args[0], "target", None) is _internals.INVOKE_SUBGRAPH)
+
+
+def _flat_gradients(graph: fx.Graph) -> list[tuple[str, object]]:
+    """(who reads it, the flat gradient): each gradient reduction's input; and each output of the graph that is a
+    sum of pieces, as a shared backward body returns its unit's gradient (the step's graph reduces it)."""
+    found = [(n.name, n.args[0]) for n in graph.nodes if n.target in GRAD_REDUCTIONS and not _from_body(n.args[0])]
+    outputs = graph.output_node().args[0]
+    return found + [("output", value) for value in (outputs if isinstance(outputs, (tuple, list)) else ())
+                    if isinstance(value, fx.Node) and value.target == ADD and _sum_of_scatters(value) is not None]
+
+
 def plan_in_place_gradients(graph: fx.Graph) -> InPlaceGradientsPlan:
     units, matmuls, left = [], 0, []
     nodes = {n.name: n for n in graph.nodes}
-    for reduction in graph.nodes:
-        if reduction.target not in GRAD_REDUCTIONS:
-            continue
-        flat = reduction.args[0]
+    for reader, flat in _flat_gradients(graph):
         sized = isinstance(flat, fx.Node) and flat.op == "call_function" and not has_symbolic_size(flat)
         tree = _sum_of_scatters(flat) if sized else None  # a symbolic size (dynamic shapes): left packed
         placed = sorted((_scattered(s) for s in (tree[1] if tree else ())), key=lambda p: p[1])  # type: ignore[index]
         pieces = tuple((piece.name, start, end) for piece, start, end in placed)  # type: ignore[misc]
         ranges = [p[1:] for p in pieces]
         if not pieces or any(end > start_next for (_, end), (start_next, _) in zip(ranges, ranges[1:])):
-            left.append(reduction.name)  # not a sum of pieces, or pieces that overlap: a sum, not a concatenation
+            left.append(reader)  # not a sum of pieces, or pieces that overlap: a sum, not a concatenation
             continue
         units.append((flat.name, pieces))
         matmuls += sum(_product(nodes[name]) is not None for name, _, _ in pieces)

@@ -14,6 +14,15 @@ settings.load_profile("fsdp_compile")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fsdp_compile_test_inductor"))
 
 
+@pytest.fixture(autouse=True)
+def _regions_on() -> None:
+    """Every test starts with units traced as shared bodies (a unit whose forward broke the graph switches them off
+    for the rest of the process: fsdp_compile._regions)."""
+    from fsdp_compile._regions import Regions
+
+    Regions.on = True
+
+
 @pytest.fixture
 def fake_pg():
     """A one-process fake process group of world size 2 (rank 0): traces and compiles, values are garbage."""

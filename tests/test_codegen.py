@@ -60,7 +60,24 @@ def _code(
 
 @pytest.fixture(scope="module")
 def code() -> list[str]:
-    return _code("fsdp_compile")  # by name: the registered backend, default options (overlap on)
+    return _code("fsdp_compile")  # by name: the registered backend, default options (overlap on, shared bodies)
+
+
+@pytest.fixture(scope="module")
+def whole_code() -> list[str]:
+    """The whole step as one graph (``regions=False``): every block's code written out in the step's code."""
+    return _code(fsdp_compile.backend(regions=False), cfg=LLAMA_TESTS)
+
+
+@pytest.mark.slow
+def test_the_blocks_share_one_body_each_way_called_once_per_block(code: list[str]) -> None:
+    """Shared bodies: the step's code calls one forward body and one backward body, once per block, each
+    generated once; every block's all-gather stays in the step's code, into a slot passed to the body."""
+    for graph in code:
+        calls = BODY_CALL.findall(graph)
+        assert len(calls) == LLAMA_TINY.n_layers and len(set(calls)) == 1, calls
+        assert len(_gathers(graph)) == N_UNITS
+        assert len(re.findall(rf"^\s*# subgraph: {calls[0]}$", graph, re.M)) == LLAMA_TINY.n_layers
 
 
 @pytest.mark.slow
@@ -98,15 +115,20 @@ def _gathers(code: str) -> list[tuple[str, str]]:
     return found
 
 
+BODY_CALL = re.compile(r"^\s*buf\d+ = (partitioned_[fb]w_subgraph_\w+)\(", re.M)
+"""A call of a shared body (its code generated once, as a function of the graph's module)."""
+
+
 def _overlapped_gathers(code: str) -> int:
-    """All-gathers (after the first) with a matmul between their launch and their wait (the first wait on
-    the buffer after the launch: a slot is waited for once per occupant)."""
+    """All-gathers (after the first) with a matmul, or a call of a shared body, between their launch and their wait
+    (the first wait on the buffer after the launch: a slot is waited for once per occupant)."""
     overlapped = 0
     for line, buf in _gathers(code)[1:]:
         launch = code.index(line)
         wait = re.compile(rf"wait_tensor\.default\((reinterpret_tensor\()?{buf}\b").search(code, launch)
         assert wait, line
-        overlapped += "extern_kernels.mm(" in code[launch : wait.start()]
+        between = code[launch : wait.start()]
+        overlapped += "extern_kernels.mm(" in between or bool(BODY_CALL.search(between))
     return overlapped
 
 
@@ -128,8 +150,9 @@ def test_every_all_gather_writes_into_a_slot_and_the_matmuls_read_the_slots(code
         assert AG not in graph
         written = [buf for _, buf in _gathers(graph)]
         assert set(written) <= named and 1 < len(set(written)) < len(written) == N_UNITS
-        for buf in set(written):
-            assert re.search(rf"extern_kernels\.mm\(.*reinterpret_tensor\({buf}, ", graph), buf
+        for buf in set(written):  # read by the step's own matmuls, or handed to a shared body
+            assert re.search(rf"extern_kernels\.mm\(.*reinterpret_tensor\({buf}, ", graph) or re.search(
+                rf"_args = \[.*\b{buf}\b", graph), buf
         assert not re.search(rf"del ({'|'.join(named)})  # reuse", graph)  # Inductor never reuses a slot
 
 
@@ -161,14 +184,15 @@ def test_no_kernel_uses_a_slot_while_its_all_gather_is_in_flight(code: list[str]
 
 @pytest.mark.slow
 def test_each_blocks_weight_gradients_are_written_by_their_matmuls_into_what_its_exchange_sends(
-    code: list[str],
+    whole_code: list[str],
 ) -> None:
     """``write_gradients_in_place``: each block's flat gradient is allocated once, its matmuls write into it, and
-    the exchange reads it: no kernel copies the matmuls' results into it."""
-    backward = code[1]
+    the exchange reads it: no kernel copies the matmuls' results into it. (In the step's graphs only: a shared body
+    returns its unit's gradient, [Note: shared bodies].)"""
+    backward = whole_code[1]
     exchanges = re.findall(r"all_to_all_single\.default\((buf\d+),", backward)
-    assert len(exchanges) == LLAMA_TINY.n_layers + 1
-    for flat in exchanges[: LLAMA_TINY.n_layers]:
+    assert len(exchanges) == LLAMA_TESTS.n_layers + 1
+    for flat in exchanges[: LLAMA_TESTS.n_layers]:
         writes = {op: re.findall(rf"^\s*extern_kernels\.fsdp_compile_{op}\(.*, out=reinterpret_tensor\({flat}, ",
                                  backward, re.M) for op in ("mm_into", "copy_into")}
         assert len(writes["mm_into"]) == 7, flat  # wq, wk, wv, wo, w1, w2, w3
@@ -176,14 +200,14 @@ def test_each_blocks_weight_gradients_are_written_by_their_matmuls_into_what_its
 
 
 @pytest.mark.slow
-def test_the_step_ops_that_return_nothing_are_called_as_functions(code: list[str]) -> None:
+def test_the_step_ops_that_return_nothing_are_called_as_functions(whole_code: list[str]) -> None:
     """Inductor's code calls the library's step ops that return nothing (the collectives into slots, their waits,
     the in-place gradient writes) as their functions, not through the dispatcher (2.7-7 µs of host time a call
     less, ~200 calls a step on the benchmark's model); the op that hands out a slot stays an op call."""
-    for graph in code:
+    for graph in whole_code:
         called = set(re.findall(r"^\s*(?:buf\d+ = )?torch\.ops\.fsdp_compile\.(\w+)\.default\(", graph, re.M))
         assert called == {"slot"}, called
-    direct = set(re.findall(r"^\s*extern_kernels\.fsdp_compile_(\w+)\(", code[1], re.M))
+    direct = set(re.findall(r"^\s*extern_kernels\.fsdp_compile_(\w+)\(", whole_code[1], re.M))
     assert direct == {"all_gather_into_slot", "mm_into", "copy_into"}, direct  # no gaps to zero here
 
 

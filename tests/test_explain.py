@@ -41,7 +41,7 @@ STAGE_FILES = [
 """The files of one compiled graph, in the order they are logged (each numbered NN_ in front)."""
 
 
-def _compile_and_trace(root: Path, rank: int) -> None:
+def _compile_and_trace(root: Path, rank: int, backend: object = "fsdp_compile") -> None:
     """As ``rank`` of 2 (fake process group): compile a tiny sharded Llama (the dump on, as
     ``FSDP_COMPILE_DUMP`` turns it on), train a step, then trace one more step with the CPU profiler into
     ``root/trace_rank<rank>.json``."""
@@ -50,7 +50,7 @@ def _compile_and_trace(root: Path, rank: int) -> None:
     try:
         torch.manual_seed(0)
         model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
-        compiled = torch.compile(model, backend="fsdp_compile", fullgraph=True)
+        compiled = torch.compile(model, backend=backend, fullgraph=True)
         tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, 8))
         compiled(tokens, tokens).backward()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
@@ -60,16 +60,31 @@ def _compile_and_trace(root: Path, rank: int) -> None:
         dist.destroy_process_group()
 
 
-@pytest.fixture(scope="module")
-def dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("dump")
+def _dumped(root: Path, backend: object) -> Path:
     _dump.enable(root)
     try:
         for rank in (0, 1):
-            _compile_and_trace(root, rank)
+            _compile_and_trace(root, rank, backend)
     finally:
         _dump.disable(root)
     return root
+
+
+@pytest.fixture(scope="module")
+def dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The whole step as one graph: every file and line this file checks (the shared bodies' own: below)."""
+    return _dumped(tmp_path_factory.mktemp("dump"), fsdp_compile.backend(regions=False))
+
+
+@pytest.mark.slow
+def test_explain_says_which_units_share_a_body(tmp_path: Path) -> None:
+    """The default (shared bodies): explain names the body and the units that run it, and counts the gradients its
+    backward writes in place (once, for every unit that runs it)."""
+    out = _explain(str(_dumped(tmp_path, "fsdp_compile"))).stdout
+    assert re.search(r"shared body \w+: compiled once for forward and once for backward, run by 2 units "
+                     r"\(layers\.0, layers\.1\)", out), out
+    assert re.search(r"gradients written in place: 1 of 2 units \(\d+ pieces, 7 written by their matmul\); "
+                     r"packed by a copy: <root>", out), out
 
 
 def _explain(*args: str) -> subprocess.CompletedProcess:
@@ -199,7 +214,7 @@ def test_explain_refuses_a_folder_without_a_dump_and_a_missing_trace(dump: Path,
 
 
 def test_the_backend_option_dumps_that_backends_compiles(tmp_path: Path) -> None:
-    compile_and_capture(backend_options={"compiler": "aot_eager", "dump": str(tmp_path)})
+    compile_and_capture(backend_options={"compiler": "aot_eager", "dump": str(tmp_path), "regions": False})
     (graph,) = (tmp_path / "rank0").iterdir()
     names = [re.sub(r"^\d+_", "", p.name) for p in sorted(graph.iterdir())]
     assert names == [n for n in STAGE_FILES if "dynamo_output_graph" not in n and "inductor" not in n], names

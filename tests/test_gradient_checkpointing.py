@@ -11,10 +11,13 @@ from typing import Any, NamedTuple
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
-from torch._dynamo.utils import counters
 
 import fsdp_compile
+from fsdp_compile._internals import failures
+from fsdp_compile._layout import UNIT, unit_label
+from fsdp_compile.debug import capture_graphs
 from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.hf import VOCAB, add_lora, is_decoder_layer, tiny_causal_lm, train_side_by_side
 from fsdp_compile.testing.reference import CausalLMLoss
@@ -22,8 +25,13 @@ from fsdp_compile.testing.reference import CausalLMLoss
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 STEPS = 3
-TOLERANCE = 1e-12
-"""float64, as tests/test_finetune.py: only the order of the gradient sums differs (measured below 1e-15)."""
+ALL_GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,
+               torch.ops.fsdp_compile.all_gather_into_slot.default)
+TOLERANCES = {"eager": 1e-12, "aot_eager": 1e-12, "inductor": 1e-5}
+"""float64, as tests/test_finetune.py: only the order of the gradient sums differs (measured up to 4.9e-14 after 3
+steps, 3 ranks). Inductor: Hugging Face's RMSNorm computes in float32, and the sharded model's checkpointed layers
+compile whole where the reference's, under the same switch, break the graph and run eagerly: Inductor's fused float32
+kernel rounds otherwise than eager's (measured 3.0e-6)."""
 
 
 class Case(NamedTuple):
@@ -74,31 +82,48 @@ def _checkpointed(rank: int, world_size: int, cases: list[Case]) -> None:
         run = model if case.compiler == "eager" else torch.compile(model, backend=fsdp_compile.backend(
             compiler=case.compiler))
         run_ref = torch.compile(ref) if case.compiler == "inductor" else ref
-        layer_groups = [u for u in fsdp_compile.sharded_units(lm) if u.layout.fqn]
-        gathers = counters["fsdp_compile"]
+        groups = fsdp_compile.sharded_units(lm)
+        layers = {unit_label(u.layout.name) for u in groups if u.layout.fqn}
+        # Eager: backward's collectives are each group gathered once (every unit is resharded after forward: for its
+        # recompute and the gradients it computes) and each trainable group's reduction. Compiled (the model runs in
+        # several graphs, around Hugging Face's graph breaks): no backward graph gathers a layer twice.
+        expected = len(groups) + sum(u.trainable for u in groups)
         before_backward: list[int] = []
 
         def forward(inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             loss = run(inputs, targets)
-            before_backward[:] = [gathers["eager_forward_gathers"]]
+            before_backward[:] = [_collectives()]
             return loss
 
-        def recomputed_once(step: int) -> None:  # each layer's groups gathered once for its recompute, no more
-            assert gathers["eager_forward_gathers"] - before_backward[0] == len(layer_groups), (case, dict(gathers))
+        def recomputed_once(step: int) -> None:
+            if case.compiler == "eager":
+                assert _collectives() - before_backward[0] == expected, (case, step, _collectives() - before_backward[0])
 
-        worst = train_side_by_side(forward, run_ref, lm, ref.lm, steps=STEPS, rank=rank, world_size=world_size,
-                                   after_backward=recomputed_once)
+        with capture_graphs() as graphs:
+            worst = train_side_by_side(forward, run_ref, lm, ref.lm, steps=STEPS, rank=rank, world_size=world_size,
+                                       after_backward=recomputed_once)
+        if case.compiler != "eager":  # every layer gathered in a backward graph, none twice in one
+            gathered = [[unit_label(n.meta["custom"][UNIT]) for n in g.gm.graph.nodes if n.target in ALL_GATHERS]
+                        for g in graphs if g.stage == "backward"]
+            in_layers = [[u for u in graph if u in layers] for graph in gathered]
+            assert set().union(*in_layers) == layers and all(len(g) == len(set(g)) for g in in_layers), gathered
         if rank == 0:
             print(f"{case} world {world_size}: worst rel. errors "
                   + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
-        assert all(error <= TOLERANCE for error in worst.values()), (case, worst)
+        assert all(error <= TOLERANCES[case.compiler] for error in worst.values()), (case, worst)
+
+
+def _collectives() -> int:
+    """The collectives this rank has issued over the default group (c10d's count)."""
+    return failures.group_sequence_number(dist.group.WORLD)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("world_size", sorted(CASES))
 def test_hugging_face_gradient_checkpointing_trains_as_the_unsharded_model(world_size: int) -> None:
     """Three AdamW steps equal to the unsharded model with the same switch, and each decoder layer's unit (each of
-    its groups, with LoRA) gathered once in backward, for its recompute."""
+    its groups, with LoRA) gathered once in backward, for its recompute: eager, by the layer's forward; compiled, by
+    the backward graph (counted as the collectives backward issues)."""
     run_ranks(_checkpointed, world_size, CASES[world_size])
 
 

@@ -112,6 +112,7 @@ class Case:
     overlap: bool = True  # the schedule_overlap pass
     exchange: bool = True  # MixedPrecision.exchange_grads_in_param_dtype (matters when param_dtype is narrower)
     keep_root_gathered: bool = False  # shard(reshard_after_forward=...) false for the root unit
+    keep_all_gathered: bool = False  # shard(reshard_after_forward=False): every unit (in shared bodies too)
     cudagraphs: bool = False  # BackendConfig.cudagraphs (CUDA graphs: GPU only)
     all_gather: Literal["nccl", "copy_engine", "auto"] = "nccl"  # BackendConfig.all_gather (copy engines: GPU only;
     # auto: under the environment torchrun gives one host, copy engines for groups of 2 or 4 GPUs)
@@ -152,7 +153,7 @@ def _train_and_compare_here(rank: int, world_size: int, case: Case) -> None:
     mp = fsdp_compile.MixedPrecision(
         param_dtype=case.param_dtype, reduce_dtype=case.dtype, exchange_grads_in_param_dtype=case.exchange
     )
-    reshard = (lambda fqn, module: fqn != "") if case.keep_root_gathered else True
+    reshard = (lambda fqn, module: fqn != "") if case.keep_root_gathered else not case.keep_all_gathered
     mesh = hsdp_mesh(case.mesh, case.device)
     fsdp_compile.shard(model, units=unit_classes, mp=mp, reshard_after_forward=reshard, mesh=mesh)
     if case.mesh:  # each rank holds 1/shard of the model
@@ -295,6 +296,11 @@ def test_parity_replicated_only(gradient_sync: bool) -> None:
     """A (replicate, shard) mesh whose shard dimension has one rank: DDP, gradients averaged by all-reduce."""
     case = Case("aot_eager", torch.float64, torch.float64, steps=2, micro_batches=2, gradient_sync=gradient_sync)
     run_ranks(_train_and_compare, 2, dataclasses.replace(case, mesh=(2, 1)))
+
+
+def test_parity_no_unit_resharded_after_forward() -> None:
+    """``reshard_after_forward=False``: each block's shared body keeps its gathered unit from forward to backward."""
+    run_ranks(_train_and_compare, 2, Case("aot_eager", torch.float64, torch.float64, steps=2, keep_all_gathered=True))
 
 
 def test_parity_bf16_params_fp32_reduce() -> None:

@@ -5,6 +5,9 @@ the alignment, on 2 gloo ranks)."""
 
 from __future__ import annotations
 
+import operator
+
+import pytest
 import torch
 from torch import nn
 
@@ -33,9 +36,20 @@ def _writers(buffer: torch.fx.Node) -> list[torch.fx.Node]:
     return found
 
 
-def test_each_blocks_matmuls_write_into_the_flat_gradient_its_reduction_reads() -> None:
-    backward = compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager"})["backward"].graph
-    flats = [r.args[0] for r in backward.nodes if r.target in GRAD_REDUCTIONS]
+def _flat_gradient(gm: torch.fx.GraphModule, reduced: torch.fx.Node) -> torch.fx.Node:
+    """What a reduction reads: a node of the step's graph, or, where a shared backward body returns it, the node of
+    the body's graph it returns."""
+    if reduced.target is operator.getitem and reduced.args[0].target is torch.ops.higher_order.invoke_subgraph:
+        body = getattr(gm, reduced.args[0].args[0].target)
+        return body.graph.output_node().args[0][reduced.args[1]]
+    return reduced
+
+
+@pytest.mark.parametrize("regions", [True, False], ids=["shared_bodies", "whole_graph"])
+def test_each_blocks_matmuls_write_into_the_flat_gradient_its_reduction_reads(regions: bool) -> None:
+    """In the step's graph, or in the shared backward body, which returns the flat gradient its reduction reads."""
+    backward = compile_and_capture(mp=MP, backend_options={"compiler": "aot_eager", "regions": regions})["backward"]
+    flats = [_flat_gradient(backward, r.args[0]) for r in backward.graph.nodes if r.target in GRAD_REDUCTIONS]
     written = [f for f in flats if f.target == torch.ops.aten.empty.memory_format]
     assert len(written) == LLAMA_TESTS.n_layers  # the root's embedding is tied: two gradients summed, left alone
     for flat in written:
@@ -43,7 +57,8 @@ def test_each_blocks_matmuls_write_into_the_flat_gradient_its_reduction_reads() 
         assert targets.count(MM_INTO) == MATMULS_PER_BLOCK and targets.count(COPY_INTO) == 2, targets
     # The matmuls it replaced, and their views, are gone (aot_eager would still run them).
     pure = (torch.ops.aten.mm.default, torch.ops.aten.view.default)
-    dead = [n for n in backward.nodes if not n.users and n.target in pure]
+    graphs = [backward.graph, *(m.graph for m in backward.children() if isinstance(m, torch.fx.GraphModule))]
+    dead = [n for graph in graphs for n in graph.nodes if not n.users and n.target in pure]
     assert not dead, dead
 
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import datetime
 import importlib
+import inspect
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, TypeVar
@@ -37,7 +38,7 @@ import torch
 import torch.fx as fx
 
 __all__ = [
-    "BackendCompilerFailed", "COMPILE_AFRESH", "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
+    "BackendCompilerFailed", "COMPILE_AFRESH", "INVOKE_SUBGRAPH", "compile_region", "dynamo_reset", "frame_callback", "is_region_break", "set_frame_callback", "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
     "aot_autograd", "c10d_functional", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_ranks", "group_store",
     "group_timeout",
@@ -173,6 +174,47 @@ def register_work(tensor: torch.Tensor, work: Any) -> None:
     torch._C._distributed_c10d._register_work(tensor, work)
 
 
+INVOKE_SUBGRAPH: Any = getattr(torch.ops.higher_order, "invoke_subgraph", None)
+"""The call of a nested compile region's body (``invoke_subgraph(body, identifier, *operands)``), None where this torch
+has none."""
+
+
+def compile_region(fn: Callable[..., T]) -> Callable[..., T] | None:
+    """``fn`` as a nested compile region (``torch.compiler.nested_compile_region``): Dynamo traces its calls into
+    bodies, keeps one body per distinct graph and calls it (``INVOKE_SUBGRAPH``); AOTAutograd partitions each body once
+    and Inductor compiles it once. None where this torch has no regions."""
+    region = getattr(torch.compiler, "nested_compile_region", None)
+    return None if region is None or INVOKE_SUBGRAPH is None else region(fn)
+
+
+_UncapturedRegion: type = _need("torch._dynamo.exc", "UncapturedHigherOrderOpError")
+
+
+def is_region_break(error: BaseException) -> bool:
+    """Whether ``error`` is Dynamo's refusal of a nested compile region whose code breaks the graph (a region must be
+    traced whole)."""
+    return isinstance(error, _UncapturedRegion) and "invoke_subgraph" in str(getattr(error, "_hop_name", ""))
+
+
+_set_eval_frame: Callable[[Any], Any] = _need("torch._dynamo.eval_frame", "set_eval_frame")
+
+
+def frame_callback() -> Any:
+    """Dynamo's frame callback on this thread now: what a ``torch.compile`` wrapper set for the frames its function
+    calls. Dynamo drops it when a frame's compile raises; ``set_frame_callback`` puts it back."""
+    callback = _set_eval_frame(None)
+    _set_eval_frame(callback)
+    return callback
+
+
+def set_frame_callback(callback: Any) -> None:
+    _set_eval_frame(callback)
+
+
+dynamo_reset: Callable[[], None] = _need("torch._dynamo", "reset")
+"""Forget every compiled frame of the process (they compile again at their next call)."""
+
+
 _current_graph_task_id: Callable[[], int] = _need("torch._C", "_current_graph_task_id")
 
 
@@ -256,17 +298,21 @@ def run_observed(gm: fx.GraphModule, name: str, graph_pass: Callable[[fx.Graph],
 
 class PassPipeline(CustomGraphPass):  # type: ignore[misc, valid-type]
     """Several passes as ONE Inductor custom pass, run in order: torch 2.11 takes a single
-    ``post_grad_custom_post_pass``. Its uuid joins the passes' uuids."""
+    ``post_grad_custom_post_pass``. Its uuid joins the passes' uuids. Inductor also runs the custom pass on the
+    bodies a graph calls (before the graph): a graph ``is_body`` says is one gets ``body_passes`` instead."""
 
-    def __init__(self, passes: Sequence[Any]) -> None:
+    def __init__(self, passes: Sequence[Any], body_passes: Sequence[Any] = (),
+                 is_body: Callable[[fx.Graph], bool] = lambda graph: False) -> None:
         self.passes = tuple(passes)
+        self.body_passes = tuple(body_passes)
+        self.is_body = is_body
 
     def __call__(self, graph: fx.Graph) -> None:
-        for graph_pass in self.passes:
+        for graph_pass in self.body_passes if self.is_body(graph) else self.passes:
             graph_pass(graph)
 
     def uuid(self) -> bytes:
-        return _get_hash_for_files((), "".join(p.uuid().hex() for p in self.passes))
+        return _get_hash_for_files((), "".join(p.uuid().hex() for p in (*self.passes, *self.body_passes)))
 
 
 def is_backward_compile(kwargs: Mapping[str, Any]) -> bool:

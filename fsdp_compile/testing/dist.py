@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.multiprocessing.spawn import ProcessExitedException, ProcessRaisedException
 
 from fsdp_compile import debug
+from fsdp_compile._regions import Regions
 from fsdp_compile._internals import counters, gloo_one_worker_thread
 
 __all__ = ["gloo_one_worker_thread", "hsdp_mesh", "run_ranks", "spawn_ranks"]
@@ -154,8 +155,9 @@ def _serve(rank: int, world_size: int, port: int, jobs: Connection) -> None:
         except BaseException:
             return
         counters.clear()  # what a new process would not have: Dynamo's counters, the warnings given once a
-        debug._said.clear()  # process (fsdp_compile.debug.degraded), the random state
+        debug._said.clear()  # process (fsdp_compile.debug.degraded), the random state, regions switched off
         torch.manual_seed(_SEED_AT_START)
+        Regions.on = True
         jobs.send(None)
 
 

@@ -20,7 +20,20 @@ from fsdp_compile.debug import capture_graphs
 from fsdp_compile.testing.dist import hsdp_mesh
 from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama, LlamaConfig
 
-__all__ = ["compile_and_capture", "memory_plans", "slotted_exchanges"]
+__all__ = ["compile_and_capture", "count_calls", "memory_plans", "slotted_exchanges"]
+
+
+def count_calls(gm: fx.GraphModule, targets: object) -> int:
+    """The calls of ``targets`` (an op, or a tuple of ops) that running ``gm`` makes: its own, and those of the shared
+    bodies it calls, once per call."""
+    targets = targets if isinstance(targets, tuple) else (targets,)
+    count = 0
+    for node in gm.graph.nodes:
+        if node.target in targets:
+            count += 1
+        elif node.target is torch.ops.higher_order.invoke_subgraph:
+            count += count_calls(getattr(gm, node.args[0].target), targets)
+    return count
 
 
 def compile_and_capture(

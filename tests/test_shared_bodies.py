@@ -1,0 +1,156 @@
+"""Shared bodies ([Note: shared bodies] in docs/architecture.md): the units alike share one traced body each way, the
+units that differ get their own, and every collective stays in the step's graphs, unit by unit, scheduled and
+planned as in the whole-step graph (graph structure: fake process group, one process); and the numbers are the
+whole-step graph's, bitwise, on 2 gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+
+import pytest
+import torch
+import torch.fx as fx
+
+import fsdp_compile
+from fsdp_compile.passes._graph import ALL_GATHER, GRAD_REDUCTIONS, region_calls
+from fsdp_compile.testing.dist import run_ranks
+from fsdp_compile.testing.graphs import compile_and_capture
+from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama, LlamaConfig
+from fsdp_compile.testing.reference import assert_bitwise
+
+LAYERS = 3
+INTO_SLOT = torch.ops.fsdp_compile.all_gather_into_slot.default
+
+
+def _bodies(gm: fx.GraphModule) -> list[str]:
+    """The body each region call of ``gm`` runs, in call order."""
+    return [call.args[0].target for call in region_calls(gm)]
+
+
+def _gathers(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.target in (ALL_GATHER, INTO_SLOT)]
+
+
+def test_identical_blocks_share_one_body_each_way_and_every_collective_stays_in_the_steps_graphs() -> None:
+    graphs = compile_and_capture(cfg=dataclasses.replace(LLAMA_TESTS, n_layers=LAYERS),
+                                 backend_options={"compiler": "aot_eager"})
+    forward, backward = graphs["forward"], graphs["backward"]
+    for gm in (forward, backward):
+        calls = _bodies(gm)
+        assert len(calls) == LAYERS and len(set(calls)) == 1, calls
+        assert len(_gathers(gm)) == LAYERS + 1  # every unit, the root too, gathered once (again in backward)
+        body = getattr(gm, calls[0]).graph
+        assert not _gathers(getattr(gm, calls[0])) and not any(n.target in GRAD_REDUCTIONS for n in body.nodes)
+    assert sum(n.target in GRAD_REDUCTIONS for n in backward.graph.nodes) == LAYERS + 1
+    # The overlap schedule: each block's all-gather is issued before the previous block's body runs.
+    order = {n: i for i, n in enumerate(forward.graph.nodes)}
+    gathers, calls = _gathers(forward), region_calls(forward)
+    blocks = gathers[1:]  # the root's first
+    assert all(order[blocks[i + 1]] < order[calls[i]] for i in range(LAYERS - 1)), [n.name for n in forward.graph.nodes]
+
+
+class _Plain(Block):
+    """Another class with the same code and shapes as Block: no reason for a body of its own."""
+
+
+def test_two_block_kinds_get_two_bodies_each_way_and_alike_classes_share_one() -> None:
+    """Every other block with a wider feed-forward (other shapes: another body); a subclass with the same code and
+    shapes shares the first body."""
+    cfg = dataclasses.replace(LLAMA_TESTS, n_layers=4)
+    for wider, kinds in ((True, 2), (False, 1)):
+        graphs = _mixed_graphs(cfg, wider)
+        for stage in ("forward", "backward"):
+            calls = _bodies(graphs[stage])
+            assert len(calls) == 4 and len(set(calls)) == kinds, (wider, stage, calls)
+
+
+def _mixed_graphs(cfg: LlamaConfig, wider: bool) -> dict[str, fx.GraphModule]:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from fsdp_compile.debug import capture_graphs
+
+    torch._dynamo.reset()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        torch.manual_seed(0)
+        model = Llama(cfg)
+        for index in range(1, len(model.layers), 2):
+            if wider:
+                model.layers[index] = Block(dataclasses.replace(cfg, ffn_dim=2 * cfg.ffn_dim))
+            else:
+                model.layers[index].__class__ = _Plain
+        fsdp_compile.shard(model, units=[Block])
+        compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True)
+        tokens = torch.randint(0, 64, (2, 8))
+        with capture_graphs() as captured:
+            compiled(tokens, tokens).backward()
+    finally:
+        dist.destroy_process_group()
+    return {g.stage: g.gm for g in captured}
+
+
+def _three_steps(rank: int, regions: bool) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = fsdp_compile.shard(Llama(dataclasses.replace(LLAMA_TESTS, n_layers=LAYERS)), units=[Block])
+    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager", regions=regions))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(3):
+        tokens = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(10 * step + rank))
+        run(tokens[:, :-1], tokens[:, 1:]).backward()
+        opt.step()
+        opt.zero_grad()
+    return fsdp_compile.full_state_dict(model)
+
+
+def _compare(rank: int, world_size: int) -> None:
+    shared = _three_steps(rank, True)
+    torch._dynamo.reset()
+    whole = _three_steps(rank, False)
+    assert_bitwise(shared, whole)
+
+
+def test_three_adamw_steps_equal_the_whole_step_graphs_bitwise() -> None:
+    """aot_eager runs the same ops on the same values in both: the bodies' only difference is where the code is."""
+    run_ranks(_compare, 2)
+
+
+FLOAT8_RTOL = 1e-5
+"""float32 model, torchao's float8 (tensorwise, emulated on CPU) in the blocks' linear layers, against the unsharded
+model under plain torch.compile (aot_eager both): the same casts of the same values, so only the order of the float32
+gradient sums over the ranks could differ (measured: bitwise equal after three AdamW steps, 2 ranks)."""
+
+
+def _float8(rank: int, world_size: int) -> None:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    from fsdp_compile.testing.reference import full_grads, micro_batch_step, rel_error
+
+    torch.manual_seed(0)
+    ref = Llama(LLAMA_TESTS)  # 2 blocks, dims multiples of 16 (float8's)
+    convert_to_float8_training(ref.layers, config=Float8LinearConfig(emulate=True))
+    model = fsdp_compile.shard(copy.deepcopy(ref), units=[Block])
+    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))
+    run_ref = torch.compile(ref, backend="aot_eager")
+    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    worst = 0.0
+    for step in range(3):
+        tokens = torch.randint(0, 64, (2 * world_size, 9), generator=torch.Generator().manual_seed(step))
+        local = tokens[2 * rank : 2 * rank + 2]
+        run(local[:, :-1], local[:, 1:]).backward()
+        micro_batch_step(run_ref, tokens, world_size)
+        grads = full_grads(model)
+        worst = max(worst, *(rel_error(grads[n], p.grad) for n, p in ref.named_parameters()))
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    full = fsdp_compile.full_state_dict(model)
+    worst = max(worst, *(rel_error(full[n], v) for n, v in ref.state_dict().items()))
+    assert torch._dynamo.utils.counters["fsdp_compile"]["shared_bodies"] >= 1
+    if rank == 0:
+        print(f"float8 (tensorwise, emulated) with shared bodies: worst rel. error {worst:.1e}")
+    assert worst <= FLOAT8_RTOL, worst
+
+
+def test_a_float8_llama_trains_as_under_plain_torch_compile() -> None:
+    pytest.importorskip("torchao.float8")
+    run_ranks(_float8, 2)
