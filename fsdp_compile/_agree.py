@@ -79,9 +79,9 @@ def agree(
             channel.check()
             blocked = channel.waiting_for_this_rank()
             next_look = time.monotonic() + BEAT_S
-            if blocked is not None and store.check(wanted):  # it went on past this very check, as this rank may now
-                break
         if stuck is not None or waited > timeout or blocked is not None:
+            if store.check(wanted):  # it published this list meanwhile and went on (to the next check, or into a
+                break  # collective): a rank sets its keys in order, so one seen past this check has this list's key
             store.set(f"{_PREFIX}waiting/{rank}", _FAILED + digest)
             message = _blocked_message(what, rank, *blocked) if blocked else _message(
                 store, what, rank, collectives, stuck, missing, waited)
