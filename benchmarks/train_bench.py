@@ -43,6 +43,7 @@ from specs import Spec, default_specs, help_text, parse_specs
 MODELS = {
     "0.95b": LLAMA_0_95B, "8.8b": LLAMA_8B, "tiny": LLAMA_TINY, "tests": LLAMA_TESTS,
     "tiny-untied": dataclasses.replace(LLAMA_TINY, tie_embeddings=False),
+    "tests-untied": dataclasses.replace(LLAMA_TESTS, tie_embeddings=False),  # the test suite's runs of every system
     "80x1024": LlamaConfig(vocab_size=32000, dim=1024, n_layers=80, n_heads=8, ffn_dim=2816, max_seq_len=2048,
                            tie_embeddings=False),  # deep and narrow: 80 blocks of 12.6M parameters (1.08B in all)
 }

@@ -1,6 +1,10 @@
+import importlib.metadata
 import inspect
+import json
 import os
+import platform
 import tempfile
+import time
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -36,8 +40,10 @@ def fake_pg():
 
 # The files that take longest (most compiles), first: the two workers take a file at a time in this order, and a
 # long file started last would run alone at the end while the other worker idles.
-LONGEST_FIRST = ("test_finetune.py", "test_parity.py", "test_codegen.py", "test_benchmark.py", "test_graphs.py",
-                 "test_schedule.py", "test_plan_memory.py", "test_dcp.py", "test_recompiles.py")
+LONGEST_FIRST = ("test_parity.py", "test_finetune.py", "test_codegen.py", "test_benchmark.py", "test_recompiles.py",
+                 "test_init_parameters.py", "test_gradient_checkpointing.py", "test_plan_memory.py", "test_graphs.py",
+                 "test_failures.py", "test_dcp.py", "test_examples.py", "test_explain.py", "test_shared_bodies.py")
+"""From tests/budget.py's table of a fresh run (keep it in that order when a file's time changes a lot)."""
 
 
 RANK_RUNNERS = ("run_ranks(", "spawn_ranks(", "run_faulty(")
@@ -54,3 +60,54 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         function = getattr(item, "function", None)
         if function is not None and any(call in inspect.getsource(function) for call in RANK_RUNNERS):
             item.add_marker(pytest.mark.ranks)
+
+
+DURATIONS = os.path.join(os.path.dirname(__file__), "..", ".test-durations.json")
+"""Where the last run's durations go (``tests/budget.py`` reads them): each test's setup + call + teardown seconds, the
+worker that ran it, and the run's wall time."""
+
+_run: dict = {}
+
+
+def _controller(config: pytest.Config) -> bool:
+    return not hasattr(config, "workerinput")  # pytest-xdist's workers have it; the run's own process does not
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    if _controller(session.config):
+        _run.update(start=time.monotonic(), tests={})
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if "tests" in _run:
+        test = _run["tests"].setdefault(report.nodeid, {"seconds": 0.0, "outcome": "passed",
+                                                        "worker": getattr(report, "worker_id", "main")})
+        test["seconds"] += report.duration
+        if report.outcome != "passed" and test["outcome"] == "passed":
+            test["outcome"] = report.outcome
+
+
+def _selection(config: pytest.Config) -> str | None:
+    """What part of the suite the run chose: None for all of it, else its marker expression or "some"."""
+    if config.option.markexpr:
+        return config.option.markexpr
+    chose = config.args_source != pytest.Config.ArgsSource.TESTPATHS or config.option.keyword
+    return "some" if chose or config.getoption("lf", False) or config.getoption("deselect", None) else None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if "tests" not in _run or session.config.option.collectonly:
+        return
+    record = {
+        "wall_seconds": round(time.monotonic() - _run["start"], 1),
+        "args": list(session.config.invocation_params.args),
+        "selection": _selection(session.config),
+        "exit_status": int(exitstatus),
+        "date": time.strftime("%Y-%m-%d %H:%M"),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": importlib.metadata.version("torch"),
+        "tests": {k: {**v, "seconds": round(v["seconds"], 2)} for k, v in _run["tests"].items()},
+    }
+    with open(DURATIONS, "w") as f:
+        json.dump(record, f, indent=1)

@@ -47,7 +47,7 @@ def _bench(tmp_path: "os.PathLike[str]", *args: str, mutation: str = "", torchru
     through torchrun; ``mutation``: a key of ``MUTATIONS``, a patch of the library in effect meanwhile (to break
     it)."""
     out = os.path.join(tmp_path, "bench.json")
-    argv = ["--model", "tiny-untied", "--tokens", "32", "--steps", "3", "--warmup", "1", "--split-steps", "1",
+    argv = ["--model", "tests-untied", "--tokens", "32", "--steps", "3", "--warmup", "1", "--split-steps", "1",
             "--out", out, *args]
     if torchrun:  # --standalone: a free port for the rendezvous (the default, 29500, fails beside another run)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",

@@ -38,7 +38,7 @@ def _sharded(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, An
 
 
 def _save(rank: int, world_size: int, checkpoint: str, reference: str, mesh: tuple[int, int] | None = None) -> None:
-    model, compiled, opt = trained(seed=0, steps=2, mesh=mesh)
+    model, compiled, opt = trained(seed=0, steps=2, mesh=mesh, compiled=mesh is None)  # HSDP's: the state only
     sharded = _sharded(model, opt)
     assert type(sharded["model"]["layers.0.attention.wq.weight"]).__name__ == "ShardedTensor"
     assert sharded["model"]["layers.0.attention.wq.weight"].shape == (LLAMA_TESTS.dim, LLAMA_TESTS.dim)
@@ -51,7 +51,8 @@ def _save(rank: int, world_size: int, checkpoint: str, reference: str, mesh: tup
 
 
 def _load(rank: int, world_size: int, checkpoint: str, reference: str, mesh: tuple[int, int] | None = None) -> None:
-    model, compiled, opt = trained(seed=1, steps=1, mesh=mesh)  # other weights and optimizer state
+    next_step = world_size == 2 and mesh is None  # the saver's ranks and data: its next step, compiled
+    model, compiled, opt = trained(seed=1, steps=1, mesh=mesh, compiled=next_step)  # other weights and optimizer state
     sharded = _sharded(model, opt)
     dcp_helpers = world_size == 3  # the model's part through DCP's own helpers (FSDP2's habit): the same
     if dcp_helpers:
@@ -64,7 +65,7 @@ def _load(rank: int, world_size: int, checkpoint: str, reference: str, mesh: tup
     fsdp_compile.load_sharded_optimizer_state_dict(model, opt, sharded["optim"])
     ref = torch.load(reference, weights_only=True)
     assert_bitwise(_full(model, opt), ref["saved"])
-    if world_size == 2 and mesh is None and ref["after"] is not None:  # the saver's ranks and data: its next step
+    if next_step and ref["after"] is not None:
         train_step(compiled, opt, 7)
         assert_bitwise(_full(model, opt), ref["after"])
 
@@ -109,7 +110,7 @@ def test_load_state_dict_takes_an_unsharded_models_state_dict() -> None:
 
 def _killed_while_saving(rank: int, world_size: int, good: str, bad: str, reference: str) -> None:
     _save(rank, world_size, good, reference)  # then one more step: the state saved below is newer
-    model, compiled, opt = trained(seed=0, steps=3)
+    model, _, opt = trained(seed=0, steps=3, compiled=False)
     write_data = dcp.FileSystemWriter.write_data
 
     def write_then_die(self: Any, plan: Any, planner: Any) -> Any:
@@ -121,7 +122,7 @@ def _killed_while_saving(rank: int, world_size: int, good: str, bad: str, refere
 
 
 def _load_broken(rank: int, world_size: int, bad: str) -> None:
-    model, _, opt = trained(seed=1, steps=1)
+    model, _, opt = trained(seed=1, steps=1, compiled=False)
     with pytest.raises(CheckpointException, match="metadata"):  # (a BaseException, as DCP raises it)
         dcp.load(_sharded(model, opt), checkpoint_id=bad)
 

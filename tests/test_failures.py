@@ -79,9 +79,13 @@ def _show(outcomes: dict[int, Outcome]) -> None:
         print(f"rank {rank}: {after}{outcome.error or f'exit {outcome.exit}'}: {outcome.message[:300]}")
 
 
+# Each fault eager and compiled: Inductor's generated code raising, the exception's case; a compiled graph raising an
+# out-of-memory error on 3 ranks, aot_eager's (the failure is caught around the compiled graph, whoever compiled it).
+FAULTS = [(2, "exception", "eager"), (2, "exception", "inductor"), (3, "oom", "eager"), (3, "oom", "aot_eager")]
+
+
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
-@pytest.mark.parametrize("world_size, kind", [(2, "exception"), (3, "oom")])
+@pytest.mark.parametrize("world_size, kind, compiler", FAULTS)
 def test_an_exception_on_one_rank_makes_every_rank_raise_within_seconds_naming_it(
     world_size: int, kind: str, compiler: str, phase: str
 ) -> None:
@@ -101,7 +105,7 @@ def test_an_exception_on_one_rank_makes_every_rank_raise_within_seconds_naming_i
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
 def test_the_same_bad_batch_on_every_rank_is_skipped_and_training_goes_on(compiler: str, phase: str) -> None:
     outcomes = run_faulty(_train, 2, compiler, Fault(rank=None, step=2, phase=phase))
     _show(outcomes)

@@ -40,7 +40,6 @@ AG = (torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops.fsdp_
 # summed in float32 in another order (measured up to 3.8e-7, float32's resolution 6e-8 times a few).
 TOLERANCES = {
     (torch.float64, "aot_eager"): (1e-12, 1e-12, 1e-12),
-    (torch.float64, "inductor"): (1e-12, 1e-12, 1e-12),
     (torch.bfloat16, "aot_eager"): (1e-6, 1e-6, 1e-6),
     (torch.bfloat16, "inductor"): (1e-6, 1e-6, 1e-6),
 }
@@ -66,10 +65,11 @@ class Case(NamedTuple):
 
 
 CASES = {
-    "first_half_frozen": Case(lambda: tiny_causal_lm(layers=LAYERS), _first_half_frozen, torch.float64),
-    "frozen_embedding": Case(lambda: tiny_causal_lm(layers=LAYERS), _frozen_embedding, torch.float64),
+    # A frozen unit (the first layer) and a frozen embedding in the root unit beside trainable parameters.
+    "first_half_and_embedding_frozen": Case(lambda: tiny_causal_lm(layers=LAYERS),
+                                            lambda lm: _frozen_embedding(_first_half_frozen(lm)), torch.float64),
     "lora_llama": Case(lambda: tiny_causal_lm(layers=LAYERS), add_lora, torch.float64),
-    "lora_qwen2": Case(lambda: tiny_causal_lm("qwen2", layers=LAYERS), add_lora, torch.float64),
+    # (peft's LoRA on Qwen2, its q and v projections with biases: tests/test_gradient_checkpointing.py's world 3.)
     "lora_bf16_base_fp32_adapters": Case(lambda: tiny_causal_lm(dtype=torch.bfloat16, layers=LAYERS), add_lora,
                                          torch.bfloat16),
 }
@@ -117,15 +117,25 @@ def _save_and_load_adapters(lm: nn.Module, base: Callable[[], nn.Module], path: 
     assert_bitwise(peft.get_peft_model_state_dict(loaded), _adapters(lm))
 
 
+RUNS = {  # compiler -> (world size, cases)
+    # Every case, 3 ranks (shards padded), peft's adapters saved and reloaded.
+    "aot_eager": (3, list(CASES)),
+    # Inductor's own claim, its kernels on a unit of two dtypes: a frozen bf16 base group and float32 adapters,
+    # against the unsharded model compiled by Inductor. The other cases' claims (frozen groups reduce nothing and
+    # stay bitwise, LoRA in float64) are the passes' and hold under aot_eager's run.
+    "inductor": (2, ["lora_bf16_base_fp32_adapters"]),
+}
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
-def test_finetuning_matches_the_unsharded_model(world_size: int, compiler: str, tmp_path: pathlib.Path) -> None:
+@pytest.mark.parametrize("compiler", list(RUNS))
+def test_finetuning_matches_the_unsharded_model(compiler: str, tmp_path: pathlib.Path) -> None:
     """Each case trains two AdamW steps, sharded over the decoder layers, as the unsharded model does; frozen
     parameters are bitwise as they were and get no gradient. With aot_eager, peft's adapters: gathered from the
     sharded model they are the unsharded model's, bitwise; saved with ``save_pretrained`` and loaded onto an
     unsharded base, the trained ones, bitwise."""
-    run_ranks(_finetune, world_size, compiler, list(CASES), tmp_path if compiler == "aot_eager" else None)
+    world_size, cases = RUNS[compiler]
+    run_ranks(_finetune, world_size, compiler, cases, tmp_path if compiler == "aot_eager" else None)
 
 
 def _graph_model(case: str) -> nn.Module:

@@ -29,9 +29,8 @@ ALL_GATHERS = (torch.ops._c10d_functional.all_gather_into_tensor.default,
                torch.ops.fsdp_compile.all_gather_into_slot.default)
 TOLERANCES = {"eager": 1e-12, "aot_eager": 1e-12, "inductor": 1e-5}
 """float64, as tests/test_finetune.py: only the order of the gradient sums differs (measured up to 4.9e-14 after 3
-steps, 3 ranks). Inductor: Hugging Face's RMSNorm computes in float32, and the sharded model's checkpointed layers
-compile whole where the reference's, under the same switch, break the graph and run eagerly: Inductor's fused float32
-kernel rounds otherwise than eager's (measured 3.0e-6)."""
+steps, 3 ranks). Inductor, against the reference run eagerly (one compile, not two): Hugging Face's RMSNorm computes
+in float32, and Inductor's fused float32 kernel rounds otherwise than eager's (measured 1.7e-6)."""
 
 
 class Case(NamedTuple):
@@ -44,8 +43,8 @@ class Case(NamedTuple):
 
 
 CASES = {  # by world size: Llama on 2 ranks, Qwen2 on 3
-    2: [Case("llama", "eager"), Case("llama", "aot_eager"), Case("llama", "inductor"),
-        Case("llama", "eager", reentrant=True), Case("llama", "aot_eager", lora=True)],
+    2: [Case("llama", "eager"), Case("llama", "inductor"), Case("llama", "eager", reentrant=True),
+        Case("llama", "aot_eager", lora=True)],
     3: [Case("qwen2", "eager"), Case("qwen2", "aot_eager"), Case("qwen2", "eager", lora=True, reentrant=True, after_shard=True),
         Case("qwen2", "aot_eager", reentrant=True)],
 }
@@ -81,7 +80,6 @@ def _checkpointed(rank: int, world_size: int, cases: list[Case]) -> None:
         model = CausalLMLoss(lm)
         run = model if case.compiler == "eager" else torch.compile(model, backend=fsdp_compile.backend(
             compiler=case.compiler))
-        run_ref = torch.compile(ref) if case.compiler == "inductor" else ref
         groups = fsdp_compile.sharded_units(lm)
         layers = {unit_label(u.layout.name) for u in groups if u.layout.fqn}
         # Eager: backward's collectives are each group gathered once (every unit is resharded after forward: for its
@@ -100,7 +98,7 @@ def _checkpointed(rank: int, world_size: int, cases: list[Case]) -> None:
                 assert _collectives() - before_backward[0] == expected, (case, step, _collectives() - before_backward[0])
 
         with capture_graphs() as graphs:
-            worst = train_side_by_side(forward, run_ref, lm, ref.lm, steps=STEPS, rank=rank, world_size=world_size,
+            worst = train_side_by_side(forward, ref, lm, ref.lm, steps=STEPS, rank=rank, world_size=world_size,
                                        after_backward=recomputed_once)
         if case.compiler != "eager":  # every layer gathered in a backward graph, none twice in one
             gathered = [[unit_label(n.meta["custom"][UNIT]) for n in g.gm.graph.nodes if n.target in ALL_GATHERS]

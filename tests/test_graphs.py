@@ -277,12 +277,11 @@ def _plans_of_steps(orders: tuple[str, ...]) -> dict[str, list[tuple[str, str]]]
 
 def test_two_models_compiled_in_one_process_get_the_plans_each_gets_alone(fake_pg: None) -> None:
     """No pass keeps state between compiles (the memory plan keeps a forward's buffers for its backward in the
-    step's own pass object): two models whose forwards and backwards interleave, in either order, get the plans
-    each gets alone."""
+    step's own pass object): two models whose forwards and backwards interleave get the plans each gets alone. The
+    one order covers both ways state could leak: the second model's forward compiles while the first's backward is
+    pending, and the first's backward compiles after the second's forward."""
     alone = {name: _plans_of_steps((name,))[name] for name in ("tests", "tiny")}
     assert all(len({n for n, _ in plans}) >= 4 for plans in alone.values()), alone  # overlap, memory, ... plans
     assert alone["tests"] != alone["tiny"]
-    for orders in (("tests", "tiny"), ("tiny", "tests")):
-        together = _plans_of_steps(orders)
-        for name in orders:
-            assert together[name] == alone[name], (orders, name)
+    together = _plans_of_steps(("tests", "tiny"))
+    assert together == alone

@@ -241,9 +241,9 @@ def _train_and_compare_here(rank: int, world_size: int, case: Case) -> None:
         assert counters["inductor"]["cudagraph_skips"] == 0, "Inductor skipped CUDA graphs (its log says why)"
 
 
-@pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("world_size, dtype", [(3, torch.float64), (2, torch.float32)], ids=["float64-world3", "float32-world2"])
 def test_parity_aot_eager(world_size: int, dtype: torch.dtype) -> None:
+    """Both dtypes, both world sizes (3: shards padded), five steps."""
     run_ranks(_train_and_compare, world_size, Case("aot_eager", dtype, dtype))
 
 
@@ -270,32 +270,25 @@ def test_parity_inductor(name: str) -> None:
     run_ranks(_train_and_compare, world_size, case)
 
 
-def test_parity_without_the_overlap_pass() -> None:
-    run_ranks(_train_and_compare, 2, Case("aot_eager", steps=3, overlap=False))
-
-
-def test_parity_without_the_memory_plan() -> None:
-    run_ranks(_train_and_compare, 2, Case("aot_eager", torch.float64, torch.float64, steps=3, memory_plan=False))
+def test_parity_without_the_overlap_pass_or_the_memory_plan() -> None:
+    """Both off: the collectives where the graph has them (no prefetch), each all-gather into its own buffer."""
+    case = Case("aot_eager", torch.float64, torch.float64, steps=3, overlap=False, memory_plan=False)
+    run_ranks(_train_and_compare, 2, case)
 
 
 @pytest.mark.parametrize("compiler", ["aot_eager", "eager"])
 def test_parity_hsdp_2x2(compiler: str) -> None:
-    """HSDP on 4 ranks: sharded over pairs, replicated across them; float64 parity with the unsharded model."""
-    run_ranks(_train_and_compare, 4, Case(compiler, torch.float64, torch.float64, steps=3, mesh=(2, 2)))
+    """HSDP on 4 ranks: sharded over pairs, replicated across them; float64 parity with the unsharded model.
+    Compiled, with gradients accumulated over two micro-batches and reduced once."""
+    accumulated = {"micro_batches": 2, "gradient_sync": False} if compiler == "aot_eager" else {}
+    run_ranks(_train_and_compare, 4, Case(compiler, torch.float64, torch.float64, steps=2, mesh=(2, 2), **accumulated))
 
 
-def test_parity_hsdp_2x2_gradient_accumulation() -> None:
-    run_ranks(
-        _train_and_compare, 4,
-        Case("aot_eager", torch.float64, torch.float64, steps=2, micro_batches=2, gradient_sync=False, mesh=(2, 2)),
-    )
-
-
-@pytest.mark.parametrize("gradient_sync", [True, False], ids=["", "accumulated"])
-def test_parity_replicated_only(gradient_sync: bool) -> None:
-    """A (replicate, shard) mesh whose shard dimension has one rank: DDP, gradients averaged by all-reduce."""
-    case = Case("aot_eager", torch.float64, torch.float64, steps=2, micro_batches=2, gradient_sync=gradient_sync)
-    run_ranks(_train_and_compare, 2, dataclasses.replace(case, mesh=(2, 1)))
+def test_parity_replicated_only() -> None:
+    """A (replicate, shard) mesh whose shard dimension has one rank: DDP, gradients averaged by all-reduce; two
+    micro-batches, the first accumulated without it."""
+    case = Case("aot_eager", torch.float64, torch.float64, steps=2, micro_batches=2, gradient_sync=False, mesh=(2, 1))
+    run_ranks(_train_and_compare, 2, case)
 
 
 def test_parity_no_unit_resharded_after_forward() -> None:
@@ -303,22 +296,20 @@ def test_parity_no_unit_resharded_after_forward() -> None:
     run_ranks(_train_and_compare, 2, Case("aot_eager", torch.float64, torch.float64, steps=2, keep_all_gathered=True))
 
 
-def test_parity_bf16_params_fp32_reduce() -> None:
-    """bf16 gradients exchanged as they are (all-to-all) and summed in fp32 by the receiver."""
-    run_ranks(_train_and_compare, 2, Case("aot_eager", param_dtype=torch.bfloat16))
-
-
 @pytest.mark.parametrize("compiler", ["aot_eager", "eager"])
 def test_parity_root_not_resharded_after_forward(compiler: str) -> None:
+    """``reshard_after_forward`` a predicate (every unit but the root): compiled, with shared bodies (the Inductor
+    case's graph break turns them off)."""
     dtype = torch.float64 if compiler == "eager" else torch.float32
     run_ranks(_train_and_compare, 2, Case(compiler, dtype, dtype, steps=3, keep_root_gathered=True))
 
 
-@pytest.mark.parametrize("world_size, exchange", [(3, True), (2, False)], ids=["exchange-world3", "reduce_scatter"])
-def test_parity_bf16_params_fp32_reduce_both_ways(world_size: int, exchange: bool) -> None:
-    """The all-to-all exchange with 3 ranks (another summation order than NCCL's), and the fp32
-    reduce-scatter it replaces."""
-    run_ranks(_train_and_compare, world_size, Case("aot_eager", param_dtype=torch.bfloat16, steps=3, exchange=exchange))
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "reduce_scatter"])
+def test_parity_bf16_params_fp32_reduce(exchange: bool) -> None:
+    """bf16 gradients exchanged as they are (all-to-all) and summed in fp32 by the receiver; and the fp32
+    reduce-scatter the exchange replaces. The exchange on 3 ranks (rank 1's peers on both sides):
+    test_parity_exchanges_into_slots."""
+    run_ranks(_train_and_compare, 2, Case("aot_eager", param_dtype=torch.bfloat16, steps=3, exchange=exchange))
 
 
 def test_parity_exchanges_into_slots() -> None:

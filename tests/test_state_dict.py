@@ -45,7 +45,7 @@ def test_round_trip_is_bitwise() -> None:
 
 
 def _save(rank: int, world_size: int, path: str) -> None:
-    model, _, opt = trained(seed=0, steps=2)
+    model, _, opt = trained(seed=0, steps=2, compiled=False)
     sd = fsdp_compile.full_state_dict(model, rank0_only=True, cpu_offload=True)
     osd = fsdp_compile.full_optimizer_state_dict(model, opt, rank0_only=True, cpu_offload=True)
     if rank == 0:
@@ -54,7 +54,7 @@ def _save(rank: int, world_size: int, path: str) -> None:
 
 def _load(rank: int, world_size: int, path: str) -> None:
     saved = torch.load(path, weights_only=True)
-    model, _, opt = trained(seed=1, steps=1)
+    model, _, opt = trained(seed=1, steps=1, compiled=False)
     fsdp_compile.load_full_state_dict(model, saved["model"])
     fsdp_compile.load_full_optimizer_state_dict(model, opt, saved["optim"])
     assert_bitwise(fsdp_compile.full_state_dict(model), saved["model"])
@@ -69,7 +69,7 @@ def test_load_into_another_world_size(tmp_path: "os.PathLike[str]") -> None:
 
 
 def _bad_loads(rank: int, world_size: int) -> None:
-    model, _, opt = trained(seed=0, steps=1)
+    model, _, opt = trained(seed=0, steps=1, compiled=False)
     sd = fsdp_compile.full_state_dict(model)
     before = fsdp_compile.full_state_dict(model)
     with pytest.raises(KeyError, match="missing keys \\['norm.weight'\\]"):

@@ -279,3 +279,25 @@ def test_each_graph_pass_is_named_as_its_module_and_plans_into_a_plan_class() ->
         assert cls.name == cls.__module__.rsplit(".", 1)[-1], (cls, cls.name)
         plan = typing.get_type_hints(cls.plan)["return"]
         assert plan.__name__.endswith("Plan"), (cls, plan)
+
+
+def test_the_budget_tool_reads_the_budget_docs_state_and_reports_a_run() -> None:
+    """``tests/budget.py`` (not a test: it reads a timing) finds docs/testing.md's budgets and judges a full run, the
+    quick subset and a selection by the budget that applies, from the record tests/conftest.py writes."""
+    import budget
+
+    limits = budget.budgets()
+    assert set(limits) == {"full", "quick"} and limits["quick"] < limits["full"]
+    tests = {"tests/test_a.py::one": {"seconds": 5.0, "outcome": "passed", "worker": "gw0"},
+             "tests/test_a.py::two": {"seconds": 3.0, "outcome": "passed", "worker": "gw0"},
+             "tests/test_b.py::one": {"seconds": 1.0, "outcome": "failed", "worker": "gw1"}}
+    record = {"wall_seconds": limits["full"] + 1.0, "args": [], "selection": None, "exit_status": 1,
+              "date": "2026-12-05 12:00", "cpus": 2, "python": "3.11", "torch": "2.13.0", "tests": tests}
+    text, within = budget.report(record, limits, top=1)
+    assert not within and "OVER by 1 s" in text and "tests/test_a.py" in text and "tests/test_b.py" not in text
+    assert "gw0 8 s, gw1 1 s (sum 9 s)" in text
+    quick = {**record, "selection": budget.QUICK, "wall_seconds": limits["quick"] - 1.0}
+    assert budget.report(quick, limits, top=2)[1]
+    some = {**record, "selection": "some"}
+    text, within = budget.report(some, limits, top=2)
+    assert within and "no budget applies" in text

@@ -13,18 +13,18 @@ __all__ = ["train_step", "trained"]
 
 
 def trained(
-    seed: int, steps: int, mesh: tuple[int, int] | None = None
+    seed: int, steps: int, mesh: tuple[int, int] | None = None, compiled: bool = True
 ) -> tuple[Llama, torch.nn.Module, torch.optim.Optimizer]:
     """A tiny Llama (every Block a unit) with weights from ``seed``, sharded (HSDP on a (replicate, shard) mesh
-    of shape ``mesh`` if given), compiled, and trained ``steps`` steps with AdamW: (model, compiled model,
-    optimizer)."""
+    of shape ``mesh`` if given), compiled (aot_eager; else eager: no compile, where only the state matters), and
+    trained ``steps`` steps with AdamW: (model, the model to call, optimizer)."""
     torch.manual_seed(seed)
     model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block], mesh=hsdp_mesh(mesh))
-    compiled = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True)
+    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"), fullgraph=True) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     for step in range(steps):
-        train_step(compiled, opt, step)
-    return model, compiled, opt
+        train_step(run, opt, step)
+    return model, run, opt
 
 
 def train_step(compiled: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
