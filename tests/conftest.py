@@ -19,12 +19,17 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdi
 
 
 @pytest.fixture(autouse=True)
-def _regions_on() -> None:
+def _fresh_compiles() -> None:
     """Every test starts with units traced as shared bodies (a unit whose forward broke the graph switches them off
-    for the rest of the process: fsdp_compile._regions)."""
+    for the rest of the process: fsdp_compile._regions) and with Dynamo reset: a worker's earlier tests compiled
+    ``Llama.forward`` too, and the files a worker runs change with the order (past Dynamo's recompile limit, 8, a
+    test that compiled it in-process once more failed)."""
+    import torch
+
     from fsdp_compile._regions import Regions
 
     Regions.on = True
+    torch._dynamo.reset()
 
 
 @pytest.fixture
