@@ -7,6 +7,7 @@ import tempfile
 import time
 
 import pytest
+from budget import RECORD  # where the last run's durations go: tests/budget.py reads them
 from hypothesis import HealthCheck, settings
 
 # Tests assert behaviour, never a timing: no per-example deadline and no "input generation is slow" health check,
@@ -67,9 +68,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.ranks)
 
 
-DURATIONS = os.path.join(os.path.dirname(__file__), "..", ".test-durations.json")
-"""Where the last run's durations go (``tests/budget.py`` reads them): each test's setup + call + teardown seconds, the
-worker that ran it, and the run's wall time."""
 
 _run: dict = {}
 
@@ -114,5 +112,5 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         "torch": importlib.metadata.version("torch"),
         "tests": {k: {**v, "seconds": round(v["seconds"], 2)} for k, v in _run["tests"].items()},
     }
-    with open(DURATIONS, "w") as f:
+    with open(RECORD, "w") as f:
         json.dump(record, f, indent=1)
