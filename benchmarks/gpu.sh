@@ -13,8 +13,9 @@
 #     trace kept, summarized into $OUT/trace_summary_<tag>.txt (benchmarks/trace_summary.py); TORCHRUN_ARGS: more
 #     torchrun options, e.g. "--numa-binding node" (torch 2.9+, needs numactl).
 #   COMPILE_TIME=1 (one GPU): compile_time.py, the first step's compile time of the default, regions=False and plain
-#     torch.compile at the 0.95B shape and at 80 layers of dim 1024 (COMPILE_ARGS: more of its options, e.g.
-#     "--float8 tensorwise" with torchao carried as a wheel).
+#     torch.compile at the 0.95B shape and at 80 layers of dim 1024 (COMPILE_MODELS: which, default "0.95b 80x1024";
+#     COMPILE_ARGS: more of its options, e.g. "--float8 tensorwise" with torchao carried as a wheel, or "--systems
+#     default"; COMPILE_TAG: a suffix for the output files' names).
 #   CONTENTION=1, HOST_COST=1, NCCL_BUFFERS=1: gemm_contention.py, ce_host_cost.py, nccl_buffers.py; META_INIT=1
 #     (one GPU): meta_init_memory.py (the 70B shape on rank 0 of a fake 64), then examples/big_model.py at 8.8B.
 # For example:
@@ -75,11 +76,16 @@ if [ "${TESTS:-1}" = 1 ]; then
   fi
 fi
 if [ "${COMPILE_TIME:-0}" = 1 ]; then
-  for shape in "0.95b --dim 2048 --layers 16" "80x1024 --dim 1024 --layers 80"; do
-    set -- $shape; name=$1; shift
+  for name in ${COMPILE_MODELS:-0.95b 80x1024}; do
+    case "$name" in
+      0.95b) shape="--dim 2048 --layers 16" ;;
+      80x1024) shape="--dim 1024 --layers 80" ;;
+      *) echo "COMPILE_MODELS: $name is none of 0.95b 80x1024"; status=1; continue ;;
+    esac
     timeout 540 python3 benchmarks/compile_time.py --device cuda --world 1 --head-dim 128 --vocab 32000 --seq 2048 \
-      --dtype bfloat16 --systems default regions_off plain "$@" ${COMPILE_ARGS:-} --out "$OUT/compile_time_$name.json" \
-      >"$OUT/compile_time_$name.log" 2>&1 || { echo "compile_time $name exit $?"; status=1; }
+      --dtype bfloat16 --systems default regions_off plain $shape ${COMPILE_ARGS:-} \
+      --out "$OUT/compile_time_$name${COMPILE_TAG:-}.json" >"$OUT/compile_time_$name${COMPILE_TAG:-}.log" 2>&1 \
+      || { echo "compile_time $name exit $?"; status=1; }
   done
 fi
 if [ "${CONTENTION:-0}" = 1 ]; then

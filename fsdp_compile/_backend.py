@@ -308,15 +308,16 @@ def _compile_dumped(
     if routes.all_gather == "copy_engine" and not config.memory_plan:  # else: only what the plan leaves unslotted
         _reserve_workspaces(gm, plan)
     if config.compiler == "aot_eager":
-        return _internals.aot_autograd(
-            fw_compiler=_eager_compiler("forward", config, post_grad, watches),
-            bw_compiler=_eager_compiler("backward", config, post_grad, watches),
-            partition_fn=_partition_resharded,
-            keep_inference_input_mutations=True,
-        )(gm, example_inputs)
+        with _internals.body_schemas_once():
+            return _internals.aot_autograd(
+                fw_compiler=_eager_compiler("forward", config, post_grad, watches),
+                bw_compiler=_eager_compiler("backward", config, post_grad, watches),
+                partition_fn=_partition_resharded,
+                keep_inference_input_mutations=True,
+            )(gm, example_inputs)
     # The passes are also patched around compile_fx so that they are part of the cache keys (FX graph and
     # AOTAutograd caches): a graph compiled with other options is never reused.
-    with inductor_config.patch(settings):
+    with inductor_config.patch(settings), _internals.body_schemas_once():
         inner_compile = _inductor_inner_compile(settings, config.dump, watches)
         return _internals.compile_fx(gm, example_inputs, inner_compile=inner_compile)
 

@@ -27,18 +27,19 @@ Shims, each where it is used:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import importlib
 import inspect
 import threading
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.fx as fx
 
 __all__ = [
-    "BackendCompilerFailed", "COMPILE_AFRESH", "INVOKE_SUBGRAPH", "compile_region", "dynamo_reset", "frame_callback", "is_region_break", "set_frame_callback", "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
+    "BackendCompilerFailed", "body_schemas_once", "COMPILE_AFRESH", "INVOKE_SUBGRAPH", "compile_region", "dynamo_reset", "frame_callback", "is_region_break", "set_frame_callback", "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
     "aot_autograd", "c10d_functional", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_ranks", "group_store",
     "group_timeout",
@@ -177,6 +178,33 @@ def register_work(tensor: torch.Tensor, work: Any) -> None:
 INVOKE_SUBGRAPH: Any = getattr(torch.ops.higher_order, "invoke_subgraph", None)
 """The call of a nested compile region's body (``invoke_subgraph(body, identifier, *operands)``), None where this torch
 has none."""
+
+
+@contextlib.contextmanager
+def body_schemas_once() -> Iterator[None]:
+    """While AOTAutograd traces a step: each region body's schema (which operands it mutates) worked out once, not at
+    every call of the body. Torch asks for it at each call, in its autograd check (and, on torch 2.11, in
+    functionalization), and traces the whole body to answer: the calls of 80 blocks' shared body then cost as much
+    as tracing 80 blocks (docs/performance.md, "The first step"). The answer depends on the body and its operands'
+    types only (the key torch 2.13 caches functionalization's by)."""
+    if INVOKE_SUBGRAPH is None or "gen_schema" in vars(INVOKE_SUBGRAPH):  # no regions, or already remembered
+        yield
+        return
+    worked_out = INVOKE_SUBGRAPH.gen_schema
+    known: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+
+    def gen_schema(subgraph: Any, identifier: Any, *operands: Any) -> Any:
+        body = getattr(subgraph, "subgraph", subgraph)  # through functionalization's wrapper, made anew each call
+        key = (id(body), type(subgraph), identifier, tuple(type(operand) for operand in operands))
+        if key not in known or known[key][0] is not body:
+            known[key] = (body, worked_out(subgraph, identifier, *operands))  # holding body: its id stays its own
+        return known[key][1]
+
+    INVOKE_SUBGRAPH.gen_schema = gen_schema
+    try:
+        yield
+    finally:
+        del INVOKE_SUBGRAPH.gen_schema
 
 
 def compile_region(fn: Callable[..., T]) -> Callable[..., T] | None:
