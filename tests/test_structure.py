@@ -283,7 +283,8 @@ def test_each_graph_pass_is_named_as_its_module_and_plans_into_a_plan_class() ->
 
 def test_the_budget_tool_reads_the_budget_docs_state_and_reports_a_run() -> None:
     """``tests/budget.py`` (not a test: it reads a timing) finds docs/testing.md's budgets and judges a full run, the
-    quick subset and a selection by the budget that applies, from the record tests/conftest.py writes."""
+    quick subset and a selection by the budget that applies, from the record tests/conftest.py writes; a run that
+    started with Inductor's cache warm gets no verdict."""
     import budget
 
     limits = budget.budgets()
@@ -296,6 +297,8 @@ def test_the_budget_tool_reads_the_budget_docs_state_and_reports_a_run() -> None
     text, within = budget.report(record, limits, top=1)
     assert not within and "OVER by 1 s" in text and "tests/test_a.py" in text and "tests/test_b.py" not in text
     assert "gw0 8 s, gw1 1 s (sum 9 s)" in text
+    text, within = budget.report({**record, "inductor_cache_warm": True}, limits, top=1)
+    assert within and "cache warm" in text and "no verdict" in text  # the budget is for empty caches
     quick = {**record, "selection": budget.QUICK, "wall_seconds": limits["quick"] - 1.0}
     assert budget.report(quick, limits, top=2)[1]
     some = {**record, "selection": "some"}
