@@ -68,7 +68,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.ranks)
 
 
-
 _run: dict = {}
 
 

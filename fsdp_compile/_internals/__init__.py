@@ -185,7 +185,7 @@ def body_schemas_once() -> Iterator[None]:
     """While AOTAutograd traces a step: each region body's schema (which operands it mutates) worked out once, not at
     every call of the body. Torch asks for it at each call, in its autograd check (and, on torch 2.11, in
     functionalization), and traces the whole body to answer: the calls of 80 blocks' shared body then cost as much
-    as tracing 80 blocks (docs/performance.md, "The first step"). The answer depends on the body and its operands'
+    as tracing 80 blocks (docs/performance.md, "Compile time"). The answer depends on the body and its operands'
     types only (the key torch 2.13 caches functionalization's by)."""
     if INVOKE_SUBGRAPH is None or "gen_schema" in vars(INVOKE_SUBGRAPH):  # no regions, or already remembered
         yield
