@@ -9,6 +9,7 @@ forward and backward graphs (Inductor's post-grad graphs, or the AOT graphs unde
 
 from __future__ import annotations
 
+import collections
 import functools
 import json
 import logging
@@ -217,8 +218,10 @@ def _keep_shared_bodies(
     """The region calls the units' bodies are shared through, top-level calls only: a region inside another or inside
     a checkpointed region is written out where it is called, and with ``regions=False`` every one is (the whole step as
     one graph, as Dynamo traces it without regions); so is a unit whose flat shard has a symbolic size (another
-    unit's could not be passed to its body). Under Inductor's CUDA graphs too: its code for a body call computed wrong
-    gradients there (torch 2.13, on CPU, where the graphs are skipped). [Note: shared bodies]"""
+    unit's could not be passed to its body), and a body called once: sharing it saves nothing and its own compile
+    costs (torch 2.11 gives every block that holds a custom ``autograd.Function``, torchao's float8 matmul, a body of
+    its own). Under Inductor's CUDA graphs too: its code for a body call computed wrong gradients there (torch 2.13,
+    on CPU, where the graphs are skipped). [Note: shared bodies]"""
     symbolic = {node for node, value in zip(gm.graph.find_nodes(op="placeholder"), example_inputs)
                 if unit_of_shard(value) is not None and not isinstance(node.meta["example_value"].numel(), int)}
     regions = config.regions and not cudagraphs
@@ -228,7 +231,8 @@ def _keep_shared_bodies(
     for _, graph_module in reversed(list(iter_graphs(gm))):  # innermost first: a body's own calls, then the body's
         calls = region_calls(graph_module)
         if graph_module is gm and regions:
-            calls = [call for call in calls if symbolic.intersection(call.args[2:])]
+            uses = collections.Counter(call.args[0].target for call in calls)
+            calls = [call for call in calls if symbolic.intersection(call.args[2:]) or uses[call.args[0].target] == 1]
         if calls:
             inline_region_calls(graph_module, calls)
     counters["fsdp_compile"]["shared_bodies"] += len({call.args[0].target for call in region_calls(gm)})
