@@ -8,13 +8,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import operator
+from unittest import mock
 
 import pytest
 import torch
 import torch.fx as fx
 
 import fsdp_compile
-from fsdp_compile._backend import _keep_shared_bodies
+from fsdp_compile import _backend
 from fsdp_compile._internals import INVOKE_SUBGRAPH
 from fsdp_compile.config import BackendConfig
 from fsdp_compile.passes._graph import ALL_GATHER, GRAD_REDUCTIONS, region_calls
@@ -85,7 +86,7 @@ def test_a_body_called_once_is_written_out_where_it_is_called() -> None:
     graph.output(x)
     gm, inputs = fx.GraphModule(root, graph), [torch.ones(3)]
     want = gm(*inputs)
-    _keep_shared_bodies(gm, inputs, BackendConfig(), cudagraphs=False)
+    _backend._keep_shared_bodies(gm, inputs, BackendConfig(), cudagraphs=False)
     assert _bodies(gm) == ["shared", "shared"], gm.code
     assert_bitwise(gm(*inputs), want)
 
@@ -167,11 +168,6 @@ def _float8(rank: int, world_size: int) -> None:
 
     from fsdp_compile.testing.reference import full_grads, micro_batch_step, rel_error
 
-    import fsdp_compile._backend
-
-    traced: list[list[str]] = []  # the bodies each Dynamo graph calls, as Dynamo made them
-    keep = fsdp_compile._backend._keep_shared_bodies
-    fsdp_compile._backend._keep_shared_bodies = lambda gm, *args: traced.append(_bodies(gm)) or keep(gm, *args)
     torch.manual_seed(0)
     ref = Llama(LLAMA_TESTS)  # 2 blocks, dims multiples of 16 (float8's)
     convert_to_float8_training(ref.layers, config=Float8LinearConfig(emulate=True))
@@ -180,14 +176,18 @@ def _float8(rank: int, world_size: int) -> None:
     run_ref = torch.compile(ref, backend="aot_eager")
     opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
     worst = 0.0
-    for step in range(3):
-        tokens = torch.randint(0, 64, (2 * world_size, 9), generator=torch.Generator().manual_seed(step))
-        local = tokens[2 * rank : 2 * rank + 2]
-        run(local[:, :-1], local[:, 1:]).backward()
-        micro_batch_step(run_ref, tokens, world_size)
-        grads = full_grads(model)
-        worst = max(worst, *(rel_error(grads[n], p.grad) for n, p in ref.named_parameters()))
-        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    traced: list[list[str]] = []  # the bodies each Dynamo graph calls, as Dynamo made them
+    keep = _backend._keep_shared_bodies
+    with mock.patch.object(_backend, "_keep_shared_bodies",
+                           lambda gm, *args: traced.append(_bodies(gm)) or keep(gm, *args)):
+        for step in range(3):
+            tokens = torch.randint(0, 64, (2 * world_size, 9), generator=torch.Generator().manual_seed(step))
+            local = tokens[2 * rank : 2 * rank + 2]
+            run(local[:, :-1], local[:, 1:]).backward()
+            micro_batch_step(run_ref, tokens, world_size)
+            grads = full_grads(model)
+            worst = max(worst, *(rel_error(grads[n], p.grad) for n, p in ref.named_parameters()))
+            opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     full = fsdp_compile.full_state_dict(model)
     worst = max(worst, *(rel_error(full[n], v) for n, v in ref.state_dict().items()))
     # One body for both blocks; or (torch 2.11, which traces torchao's autograd.Function anew at each call) a body
