@@ -68,8 +68,8 @@ def test_identical_blocks_share_one_body_each_way_and_every_collective_stays_in_
 
 def test_a_body_called_once_is_written_out_where_it_is_called() -> None:
     """It saves nothing and costs a compile of its own. Torch 2.13's Dynamo writes such a body out itself; 2.11's
-    gives every block that holds a custom autograd.Function (torchao's float8 matmul) a body of its own, and its
-    first step compiled slower than without regions (hand-built graph: two calls of one body, one of another)."""
+    gives every block that holds a custom autograd.Function (torchao's float8 matmul) a body of its own, which would
+    compile slower than without regions (hand-built graph: two calls of one body, one of another)."""
 
     def body(scale: float) -> fx.GraphModule:
         graph = fx.Graph()
