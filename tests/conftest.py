@@ -7,6 +7,7 @@ import tempfile
 import time
 
 import pytest
+import torch
 from budget import RECORD  # where the last run's durations go: tests/budget.py reads them
 from hypothesis import HealthCheck, settings
 
@@ -17,6 +18,9 @@ settings.load_profile("fsdp_compile")
 
 # One Inductor cache for the whole session, inherited by spawned ranks: identical graphs compile once.
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "fsdp_compile_test_inductor"))
+# One intra-op thread, as every rank has (fsdp_compile.testing.dist): the two workers share the cores, and
+# Inductor writes a kernel for the threads it will run on, so the workers' kernels are the ranks' (one build each).
+torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
