@@ -18,6 +18,7 @@
 #     default"; COMPILE_TAG: a suffix for the output files' names).
 #   CONTENTION=1, HOST_COST=1, NCCL_BUFFERS=1: gemm_contention.py, ce_host_cost.py, nccl_buffers.py; META_INIT=1
 #     (one GPU): meta_init_memory.py (the 70B shape on rank 0 of a fake 64), then examples/big_model.py at 8.8B.
+#   OFFLOAD_COSTS=1 (one GPU): offload_costs.py, the host-device copies and host AdamW steps of CPU offload (0.95B).
 # For example:
 #   OUT=/tmp/out BENCH=0 PYTEST_K="not 4gpus" bash benchmarks/gpu.sh             # then "4gpus and not exchange",
 #                                                                                 # "4gpus and exchange", "8gpus"
@@ -101,6 +102,10 @@ if [ "${NCCL_BUFFERS:-0}" = 1 ]; then
   timeout 120 torchrun --nproc_per_node "$NPROC" benchmarks/nccl_buffers.py --json "$OUT/nccl_buffers_$NPROC.json" \
     >"$OUT/nccl_buffers_$NPROC.log" 2>&1
   rc=$?; [ $rc = 0 ] || { echo "nccl_buffers exit $rc"; status=1; }
+fi
+if [ "${OFFLOAD_COSTS:-0}" = 1 ]; then
+  timeout 400 python3 benchmarks/offload_costs.py --json "$OUT/offload_costs.json" >"$OUT/offload_costs.log" 2>&1 \
+    || { echo "offload_costs exit $?"; status=1; }
 fi
 if [ "${META_INIT:-0}" = 1 ]; then
   timeout 200 python3 benchmarks/meta_init_memory.py --model 70b --world-size 64 --device cuda \
