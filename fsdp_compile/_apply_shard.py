@@ -23,7 +23,7 @@ from fsdp_compile._outside_forward import metadata_reads
 from fsdp_compile._plan_shard import ShardPlan, UnitPlan
 from fsdp_compile._regions import Regions
 from fsdp_compile._sharded_state_dict import install_state_dict_hooks
-from fsdp_compile._unit import SLOTS_ATTR, UNITS_ATTR, UnitState, cut_pieces, register_units
+from fsdp_compile._unit import SLOTS_ATTR, UNITS_ATTR, UnitState, cut_pieces, register_units, to_host
 from fsdp_compile._watch import WATCH_ATTR, ModelWatch, call_watched
 
 __all__ = ["apply_shard"]
@@ -64,7 +64,8 @@ def apply_shard(
     # rank 0's values: across the replicas first, then within the shard group (global rank 0 reaches every rank)
     sync = [g for g in (replicate_group, group) if sync_module_states and g is not None and dist.get_world_size(g) > 1]
     watch = _watch(module, plan, [g for g in (group, replicate_group) if g is not None and dist.get_world_size(g) > 1])
-    built = [_build_unit(module, unit, group, replicate_group, rank, sync, watch) for unit in plan.units]
+    built = [_build_unit(module, unit, group, replicate_group, rank, sync, watch, plan.offload_pin_memory)
+             for unit in plan.units]
     for buffer in module.buffers():
         if not buffer.is_meta:
             _broadcast_from_rank_0(buffer, sync)
@@ -138,9 +139,11 @@ def _build_unit(
     rank: int,
     sync: list[dist.ProcessGroup],
     watch: ModelWatch,
+    offload_pin_memory: bool | None,
 ) -> tuple[UnitState, list[nn.Parameter]]:
-    """Copy this rank's chunk of the unit (rank 0's values, broadcast over ``sync``) into a new flat shard and cut
-    one piece per parameter; return the unit and the parameters it replaces, in slot order."""
+    """Copy this rank's chunk of the unit (rank 0's values, broadcast over ``sync``) into a new flat shard (CPU
+    offload: in host memory, pinned if ``offload_pin_memory``) and cut one piece per parameter; return the unit and
+    the parameters it replaces, in slot order."""
     layout = unit.layout
     params = [_parameter(module, slot.names[0]) for slot in layout.slots]
     on_meta = any(p.is_meta for p in params)  # the whole unit stays on meta (to_empty allocates its shard)
@@ -151,6 +154,9 @@ def _build_unit(
         _broadcast_from_rank_0(full, sync)
     start = rank * layout.shard_numel
     flat = full[start : start + layout.shard_numel].clone().requires_grad_(any(p.requires_grad for p in params))
+    offload_to = None if offload_pin_memory is None else flat.device  # meta: to_empty says where
+    if offload_to is not None and not on_meta:
+        flat = to_host(flat, offload_pin_memory)
     _internals.mark_static(flat)  # a model sharded again (other sizes) compiles with constant sizes: planned
     pieces = cut_pieces(flat, layout, rank, [p.requires_grad for p in params])
     state = UnitState(
@@ -164,6 +170,8 @@ def _build_unit(
         grad_reduction=unit.grad_reduction,
         reshard_after_forward=unit.reshard_after_forward,
         watch=watch,
+        offload_to=offload_to,
+        pin_memory=bool(offload_pin_memory),
     )
     return state, params
 
@@ -207,6 +215,8 @@ def _refuse_conversion(cls: type[nn.Module]) -> Any:
         if on_meta:
             _materialize(module, on_meta, fn)
         for state in units.values():
+            if state in on_meta:  # just allocated (CPU offload: on the host, whatever device to_empty named)
+                continue
             probe = state.flat.detach()[:0]
             converted = fn(probe)
             if (converted.dtype, converted.device) != (probe.dtype, probe.device):

@@ -40,7 +40,7 @@ def clip_grad_norm_(
     by_group: dict[dist.ProcessGroup, tuple[torch.device, list[torch.Tensor]]] = {}
     pieces = set()
     for unit in sharded_units(module):  # every rank has the same units: the same all-reduces
-        _, grads = by_group.setdefault(unit.group, (unit.flat.device, []))
+        _, grads = by_group.setdefault(unit.group, (unit.compute_device, []))  # offload: host grads, device sums
         for piece in unit.pieces:
             pieces.add(piece.param)
             if piece.param.grad is not None and piece.param.grad.numel():  # a rank's piece may be empty

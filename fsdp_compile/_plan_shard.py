@@ -21,6 +21,7 @@ from typing import NamedTuple, Union
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 
 from fsdp_compile._internals import OptimizedModule
 from fsdp_compile._layout import UnitLayout, plan_layout
@@ -54,9 +55,12 @@ class ShardPlan:
     units: tuple[UnitPlan, ...]
     """The root unit first (if it has parameters), then the units in module order."""
     world_size: int
+    offload_pin_memory: bool | None = None
+    """CPU offload (FSDP2's ``CPUOffloadPolicy``): whether the host shards are pinned. None: not offloaded."""
 
     def to_json(self) -> str:
-        return json.dumps({"world_size": self.world_size, "units": [_unit_json(u) for u in self.units]})
+        return json.dumps({"world_size": self.world_size, "offload_pin_memory": self.offload_pin_memory,
+                           "units": [_unit_json(u) for u in self.units]})
 
 
 def _unit_json(unit: UnitPlan) -> dict[str, object]:
@@ -90,9 +94,11 @@ def plan_shard(
     world_size: int,
     mp: MixedPrecision | None = None,
     reshard_after_forward: ReshardSpec = True,
+    offload_policy: OffloadPolicy | None = None,
 ) -> ShardPlan:
     """The units of ``module`` and their layouts over ``world_size`` ranks (see ``fsdp_compile.shard``)."""
     mp = _check_mixed_precision(mp)
+    pin = _check_offload_policy(offload_policy)
     _check_reshard_spec(reshard_after_forward)
     _check_not_compiled(module)
     unit_of = _unit_of_modules(module, units)
@@ -115,7 +121,7 @@ def plan_shard(
             part = f"{_dtype_name(dtype)} {'trainable' if trainable else 'frozen'}" if len(groups) > 1 else ""
             names = [(tuple(o.fqn for o in owners[p]), tuple(p.shape)) for p in params]
             planned.append(_unit_plan(plan_layout(unit_fqn, names, world_size, part), dtype, mp, resharded))
-    return ShardPlan(units=tuple(planned), world_size=world_size)
+    return ShardPlan(units=tuple(planned), world_size=world_size, offload_pin_memory=pin)
 
 
 def _check_mixed_precision(mp: MixedPrecision | None) -> MixedPrecision:
@@ -124,6 +130,18 @@ def _check_mixed_precision(mp: MixedPrecision | None) -> MixedPrecision:
     if not isinstance(mp, MixedPrecision):
         raise TypeError(f"mp must be a fsdp_compile.MixedPrecision, got {type(mp).__name__}")
     return mp
+
+
+def _check_offload_policy(policy: object) -> bool | None:
+    """FSDP2's offload policies: ``CPUOffloadPolicy`` -> whether to pin; ``OffloadPolicy()`` or None -> None."""
+    if policy is None or type(policy) is OffloadPolicy:
+        return None
+    if not isinstance(policy, CPUOffloadPolicy):
+        raise TypeError(
+            f"offload_policy must be torch.distributed.fsdp.CPUOffloadPolicy (or OffloadPolicy(): none), as FSDP2's "
+            f"fully_shard takes it, got {type(policy).__name__}"
+        )
+    return bool(policy.pin_memory)
 
 
 def _check_reshard_spec(reshard_after_forward: object) -> None:

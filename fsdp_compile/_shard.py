@@ -31,6 +31,7 @@ import json
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import OffloadPolicy
 
 from fsdp_compile._agree import agree_on_values, fingerprint
 from fsdp_compile._apply_shard import apply_shard
@@ -51,6 +52,7 @@ def shard(
     mp: MixedPrecision | None = None,
     reshard_after_forward: ReshardSpec = True,
     sync_module_states: bool = False,
+    offload_policy: OffloadPolicy | None = None,
 ) -> nn.Module:
     """Shard ``module`` in place into FSDP units and return it.
 
@@ -65,7 +67,11 @@ def shard(
     (``""`` and ``module`` for the root unit) that is false for some units: those keep their gathered
     parameters from forward to backward (one all-gather less, one gathered unit more in memory until its
     backward). Worth it for the unit the forward uses last (e.g. the output projection): backward needs it
-    first, so it is alive at the forward/backward boundary either way.
+    first, so it is alive at the forward/backward boundary either way. ``offload_policy``: FSDP2's
+    ``torch.distributed.fsdp.CPUOffloadPolicy(pin_memory=True)`` keeps every flat shard and its gradient in host
+    memory (``model.parameters()`` are host tensors: the optimizer steps there; use ``fused=True`` AdamW): each
+    unit's shard is copied to the device the model was on (or ``to_empty``'s) before its all-gather, its reduced
+    gradient copied back (docs/big-models.md, "Offload").
 
     The ranks must start from the same values: ``shard()`` compares a fingerprint of each unit across the ranks
     and raises naming the first that differs; ``sync_module_states=True`` takes rank 0's parameters and buffers
@@ -85,7 +91,8 @@ def shard(
     else:
         group, replicate_group = _resolve_group(group), None
     plan = plan_shard(
-        module, units=units, world_size=dist.get_world_size(group), mp=mp, reshard_after_forward=reshard_after_forward
+        module, units=units, world_size=dist.get_world_size(group), mp=mp, reshard_after_forward=reshard_after_forward,
+        offload_policy=offload_policy,
     )
     if not sync_module_states:
         fingerprints = functools.cache(lambda: _fingerprints(module, plan))

@@ -33,7 +33,9 @@ from fsdp_compile.runtime.ops import (
 if TYPE_CHECKING:
     from fsdp_compile._watch import ModelWatch
 
-__all__ = ["Piece", "UnitState", "cut_pieces", "is_sharded", "register_units", "sharded_units", "unit_of_shard"]
+__all__ = [
+    "Piece", "UnitState", "cut_pieces", "is_sharded", "register_units", "sharded_units", "to_host", "unit_of_shard"
+]
 
 UNITS_ATTR = "_fsdp_compile_units"
 """On the module shard() was called on: its units, in order."""
@@ -64,6 +66,13 @@ def cut_pieces(flat: torch.Tensor, layout: UnitLayout, rank: int, requires_grad:
     return pieces
 
 
+def to_host(flat: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+    """CPU offload: a copy of the flat shard ``flat`` in host memory, a leaf as ``flat`` is (pinned where asked and
+    a GPU can read it: copies from pinned memory are asynchronous and about 9x faster, benchmarks/NOTES.md)."""
+    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=pin_memory and torch.cuda.is_available())
+    return host.copy_(flat.detach()).requires_grad_(flat.requires_grad)
+
+
 class UnitState:
     """One FSDP unit on this rank: its layout, flat shard, parameter pieces and collective settings."""
 
@@ -80,8 +89,14 @@ class UnitState:
         grad_reduction: GradReduction,
         reshard_after_forward: bool,
         watch: ModelWatch,
+        offload_to: torch.device | None = None,
+        pin_memory: bool = False,
     ) -> None:
         self.layout = layout
+        self.offload_to = offload_to
+        """CPU offload: the device the unit computes on (its shard, gradient and optimizer state live in host
+        memory; on the meta device until ``to_empty`` says where). None: not offloaded."""
+        self.pin_memory = pin_memory
         self._slot_index = {slot.offset: i for i, slot in enumerate(layout.slots)}
         self.flat = flat
         self.pieces = pieces
@@ -105,7 +120,7 @@ class UnitState:
             weak_method(self.cast_all_gather_differentiable),
             weak_method(self.shard_version),
             weak_method(watch.backward_ran),
-            reshard=self.world_size > 1 and reshard_after_forward,
+            reshard=(self.world_size > 1 or offload_to is not None) and reshard_after_forward,
         )
         """Eager mode (the unit's forward hooks and saved-tensor hooks). It calls back into this unit weakly: no
         cycle, so a deleted model is freed by reference counting ([Note: eager gather and reshard])."""
@@ -134,10 +149,17 @@ class UnitState:
         HSDP also across the replicas, whose groups have names of their own: no group names here)."""
         gradients = f"gradients by {self.grad_reduction} in {self.reduce_dtype}" if self.trainable else "frozen"
         replicas = "" if self.replicate_group is None else f" x {self.replicas} replicas"
+        offload = "" if self.offload_to is None else ", its shard in host memory"
         return (
             f"all-gather of unit {unit_label(self.layout.name)!r} ({self.layout.padded_numel} elements in "
-            f"{self.param_dtype}; {gradients}) over {self.world_size} ranks{replicas}"
+            f"{self.param_dtype}; {gradients}) over {self.world_size} ranks{replicas}{offload}"
         )
+
+    @property
+    def compute_device(self) -> torch.device:
+        """Where the unit's gathered parameters, activations and gradients are: the shard's device, or (CPU
+        offload) the device it is copied to."""
+        return self.flat.device if self.offload_to is None else self.offload_to
 
     @property
     def groups(self) -> list[dist.ProcessGroup]:
@@ -157,6 +179,7 @@ class UnitState:
             self.group_name,
             self.replicas,
             self.replicate_group_name,
+            self.offload_to,
         )
 
     def unshard_param(self, slot: ParamSlot) -> torch.Tensor:
@@ -171,7 +194,8 @@ class UnitState:
                 "gradient: it lives in a buffer without one and would never train. Set requires_grad before shard()"
             )
         if torch.compiler.is_compiling():
-            return unshard(self.flat, self.accum, slot.offset, slot.numel, list(slot.shape), self.param_dtype)
+            return unshard(self.flat, self.accum, slot.offset, slot.numel, list(slot.shape), self.param_dtype,
+                           self.compute_device)
         if self.outside is not None:
             return self.outside(slot)
         if self.flat.is_meta:
@@ -210,6 +234,8 @@ class UnitState:
         pieces of it; return the old pieces (their owners must be given the new ones)."""
         old, replaced = self.flat, self.pieces
         self.flat = empty(old.detach()).zero_().requires_grad_(old.requires_grad)  # the padding zero, as shard()'s
+        if self.offload_to is not None:  # to_empty's device is where the unit computes; the shard stays on the host
+            self.offload_to, self.flat = self.flat.device, to_host(self.flat, self.pin_memory)
         _internals.mark_static(self.flat)
         self.pieces = cut_pieces(self.flat, self.layout, self.rank, [p.param.requires_grad for p in replaced])
         if self.trainable:
@@ -222,7 +248,7 @@ class UnitState:
     def all_gather_params_nograd(self, local: torch.Tensor | None = None) -> list[torch.Tensor]:
         """All-gather a shard-shaped tensor (default: the flat shard itself), without autograd and without a
         cast, and return the full value of every parameter, in slot order. A collective: every rank calls it."""
-        local = (self.flat if local is None else local).detach()
+        local = (self.flat if local is None else local).detach().to(self.compute_device)
         full = local if self.world_size == 1 else all_gather_nograd(local, self.world_size, self.group_name)
         return [full[s.offset : s.offset + s.numel].view(s.shape) for s in self.layout.slots]
 
@@ -247,7 +273,7 @@ class UnitState:
         self.requires_gradient_sync = requires
         if not requires and self.accum is None and self.groups and self.trainable:  # a unit with a reduction
             # A stride-0 view of one element: a leaf of full shape that costs no memory until it has a grad.
-            zero = torch.zeros((), dtype=self.reduce_dtype, device=self.flat.device)
+            zero = torch.zeros((), dtype=self.reduce_dtype, device=self.compute_device)
             self.accum = zero.expand(self.layout.padded_numel).requires_grad_()
             self.accum.register_post_accumulate_grad_hook(weak_method(self._reduce_accumulated))
 
@@ -265,7 +291,7 @@ class UnitState:
         accum.grad = None
         self.accum = None
         counters["fsdp_compile"]["accumulated_reduce_scatters"] += 1
-        self._deliver(reduced.to(self.flat.dtype))
+        self._deliver(reduced.to(self.flat.device, self.flat.dtype))
 
     def distribute_grad(self, flat: torch.Tensor) -> None:
         """Post-accumulate hook of the flat shard: hand each piece its slice, then clear ``flat.grad``."""

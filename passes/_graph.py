@@ -25,6 +25,7 @@ __all__ = [
     "CASTS",
     "EXCHANGE",
     "GRAD_REDUCTIONS",
+    "TO_GATHER",
     "GraphPass",
     "WAIT",
     "call_with_value",
@@ -54,6 +55,9 @@ HSDP, followed by an ``ALL_REDUCE`` of the reduced shard over the replicas."""
 ALL_REDUCE = _c10d.all_reduce.default
 CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 """The dtype casts AOTAutograd and Inductor's decompositions produce (``tensor.to(dtype)``)."""
+TO_GATHER = (*CASTS, torch.ops.fsdp_compile.copy_to_device.default)
+"""What a flat shard passes through on its way to its all-gather: casts and, with CPU offload, its copy to the
+device (moved, and done again in backward, with the all-gather)."""
 
 
 def producers(node: fx.Node, follow: Callable[[fx.Node], bool]) -> tuple[list[fx.Node], object]:

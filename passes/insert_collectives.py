@@ -84,6 +84,8 @@ class UnitGather:
     replicas: int
     """HSDP: the number of replicas the reduced gradient is then averaged over (1: not replicated)."""
     replicate_group_name: str | None
+    offload_to: str | None
+    """CPU offload: the device the shard is copied to before its all-gather (None: not offloaded)."""
     views: tuple[ParamView, ...]
     call: str | None = None
     """A shared body's call that reads the unit (then ``views`` is empty: the body's ``BodyInput`` has them)."""
@@ -98,6 +100,8 @@ class BodyInput:
     placeholder: str
     numel: int
     dtype: torch.dtype
+    device: str
+    """Where the gathered unit is (CPU offload: not where its shard is)."""
     views: tuple[ParamView, ...]
 
 
@@ -136,6 +140,7 @@ def _gather(state: UnitState, graph: str, shard: str, accum: str | None, views: 
         group_name=state.group_name,
         replicas=state.replicas,
         replicate_group_name=state.replicate_group_name,
+        offload_to=None if state.offload_to is None else str(state.offload_to),
         views=views,
         call=call,
     )
@@ -199,7 +204,8 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputsPlan) -> Collect
         state = unit_inputs.units[(path, shard_name)]
         accum = accums[(path, shard_name)]
         if path in shared:
-            bodies.append(BodyInput(path, shard_name, state.layout.padded_numel, state.param_dtype, tuple(unit_views)))
+            bodies.append(BodyInput(path, shard_name, state.layout.padded_numel, state.param_dtype,
+                                    str(state.compute_device), tuple(unit_views)))
             gathers.extend(_body_calls(gm, path, state, shard_name, accum, unit_inputs))
         else:
             gathers.append(_gather(state, path, shard_name, accum, tuple(unit_views)))
@@ -236,7 +242,8 @@ def _gathered_input(gm: fx.GraphModule, body: BodyInput) -> None:
     placeholder = next(n for n in body_gm.graph.find_nodes(op="placeholder") if n.name == body.placeholder)
     shard = placeholder.meta["example_value"]
     with shard.fake_mode:
-        placeholder.meta["example_value"] = placeholder.meta["val"] = shard.new_empty(body.numel, dtype=body.dtype)
+        gathered = shard.new_empty(body.numel, dtype=body.dtype, device=body.device)
+        placeholder.meta["example_value"] = placeholder.meta["val"] = gathered
     _replace_markers(body_gm.graph, placeholder, body.views, f"shared by {body.body}")
 
 
@@ -266,6 +273,7 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
                     gather.group_name,
                     gather.replicas,
                     gather.replicate_group_name,
+                    None if gather.offload_to is None else torch.device(gather.offload_to),
                 ),
             )
             keep = {KEEP_GATHERED: True} if not gather.reshard_after_forward else {}

@@ -34,7 +34,7 @@ from fsdp_compile._internals import is_view_op
 from fsdp_compile._layout import UNIT
 from fsdp_compile.passes._graph import (
     ALL_GATHER,
-    CASTS,
+    TO_GATHER,
     WAIT,
     GraphPass,
     graph_module,
@@ -102,7 +102,7 @@ def plan_reshard(graph: fx.Graph) -> ReshardPlan:
     for node in graph.nodes:
         if node.target != ALL_GATHER or node.meta.get("custom", {}).get(KEEP_GATHERED):
             continue
-        chain, _ = producers(node, lambda n: n.target in CASTS or is_view_op(n.target))
+        chain, _ = producers(node, lambda n: n.target in TO_GATHER or is_view_op(n.target))
         chain.append(node)
         chains.append(tuple(n.name for n in _with_views(chain, node)))
     chains.extend(tuple(n.name for n in _with_views([], p)) for p in _gathered_placeholders(graph))

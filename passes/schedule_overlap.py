@@ -46,8 +46,8 @@ from fsdp_compile.debug import degraded
 from fsdp_compile.passes._graph import (
     ALL_GATHER,
     ALL_REDUCE,
-    CASTS,
     GRAD_REDUCTIONS,
+    TO_GATHER,
     GraphPass,
     lint_and_recompile,
     nbytes,
@@ -92,8 +92,9 @@ class OverlapPlan:
 
 
 def _input_chain(ag: fx.Node) -> list[fx.Node] | None:
-    """The casts between a placeholder and the all-gather, if that is all it reads (else: not movable)."""
-    chain, source = producers(ag, lambda n: n.target in CASTS and len(n.users) == 1)
+    """The casts (and offload's copy) between a placeholder and the all-gather, if that is all it reads (else: not
+    movable)."""
+    chain, source = producers(ag, lambda n: n.target in TO_GATHER and len(n.users) == 1)
     return chain if isinstance(source, fx.Node) and source.op == "placeholder" else None
 
 

@@ -20,6 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 import fsdp_compile
 from fsdp_compile.testing.dist import hsdp_mesh, run_ranks, spawn_ranks
@@ -124,6 +125,8 @@ class Case:
     slotted_exchanges: bool = False  # the exchanges in the plan's slots, as grad_reduce="copy_engine" has them, on
     # the route any device runs (fsdp_compile.testing.graphs.slotted_exchanges)
     each_block: bool = False  # torchtitan's habit: each block compiled on its own (block.compile), the rest eager
+    offload: bool = False  # shard(offload_policy=CPUOffloadPolicy()): shards, gradients and the optimizer's state in
+    # host memory, each unit copied to the device before its all-gather (on CPU the copies stand for the transfers)
 
 
 def _param_groups(model: torch.nn.Module) -> list[dict]:
@@ -155,7 +158,9 @@ def _train_and_compare_here(rank: int, world_size: int, case: Case) -> None:
     )
     reshard = (lambda fqn, module: fqn != "") if case.keep_root_gathered else not case.keep_all_gathered
     mesh = hsdp_mesh(case.mesh, case.device)
-    fsdp_compile.shard(model, units=unit_classes, mp=mp, reshard_after_forward=reshard, mesh=mesh)
+    offload = CPUOffloadPolicy() if case.offload else None
+    fsdp_compile.shard(model, units=unit_classes, mp=mp, reshard_after_forward=reshard, mesh=mesh, offload_policy=offload)
+    assert all((u.offload_to is not None) == case.offload for u in fsdp_compile.sharded_units(model))
     if case.mesh:  # each rank holds 1/shard of the model
         units = fsdp_compile.sharded_units(model)
         assert {(u.world_size, u.replicas) for u in units} == {(case.mesh[1], case.mesh[0])}
@@ -251,9 +256,9 @@ def test_parity_aot_eager(world_size: int, dtype: torch.dtype) -> None:
 # which claim is checked under which compiler); every feature's numerics are checked with aot_eager as well.
 INDUCTOR_CASES = {
     # fp32, 3 ranks (padded shards), torch.compile's mode= (it reaches Inductor: tests/test_codegen.py), the root
-    # kept gathered after forward, a graph break inside every unit.
-    "fp32-world3-max_autotune-root_kept-graph_break": (3, Case(
-        "inductor", steps=3, mode="max-autotune", keep_root_gathered=True, graph_break=True)),
+    # kept gathered after forward, a graph break inside every unit, CPU offload.
+    "fp32-world3-max_autotune-root_kept-graph_break-cpu_offload": (3, Case(
+        "inductor", steps=3, mode="max-autotune", keep_root_gathered=True, graph_break=True, offload=True)),
     # bf16 parameters, fp32 sums: the all-to-all exchanges, in the memory plan's slots; gradients accumulated over
     # micro-batches and reduced once; selective activation checkpointing; no overlap pass (Inductor's own
     # peak-memory reordering then moves the collectives).
@@ -267,6 +272,16 @@ INDUCTOR_CASES = {
 @pytest.mark.parametrize("name", INDUCTOR_CASES)
 def test_parity_inductor(name: str) -> None:
     world_size, case = INDUCTOR_CASES[name]
+    run_ranks(_train_and_compare, world_size, case)
+
+
+@pytest.mark.parametrize("compiler, world_size", [("aot_eager", 2), ("aot_eager", 3), ("eager", 2)])
+def test_parity_cpu_offload(compiler: str, world_size: int) -> None:
+    """FSDP2's ``CPUOffloadPolicy``: float64 parity with the unsharded model, the optimizer stepping on the host
+    pieces. On 3 ranks (shards padded), two micro-batches accumulated and reduced once (the accumulator on the
+    device, the reduced gradient delivered to the host). Inductor: ``test_parity_inductor[...-cpu_offload]``."""
+    accumulated = {"micro_batches": 2, "gradient_sync": False} if world_size == 3 else {}
+    case = Case(compiler, torch.float64, torch.float64, steps=3, offload=True, **accumulated)
     run_ranks(_train_and_compare, world_size, case)
 
 

@@ -80,6 +80,9 @@ REFUSALS = {
                             r"this rank \(global rank 0\) is not a member of the process group passed as group="),
     "group-of-the-wrong-type": Refusal(_tiny(group=2), TypeError, "group must be a torch.distributed.ProcessGroup"),
     "mp-of-the-wrong-type": Refusal(_tiny(mp=torch.bfloat16), TypeError, "mp must be a fsdp_compile.MixedPrecision"),
+    "offload-of-the-wrong-type": Refusal(_tiny(offload_policy="cpu"), TypeError,
+                                         r"offload_policy must be torch.distributed.fsdp.CPUOffloadPolicy \(or "
+                                         r"OffloadPolicy\(\): none\), as FSDP2's fully_shard takes it, got str"),
     "reshard-of-the-wrong-type": Refusal(_tiny(reshard_after_forward="output"), TypeError,
                                          "reshard_after_forward must be a bool or a predicate"),
     "compiled": Refusal(lambda: (torch.compile(Llama(LLAMA_TINY)), {"units": [Block]}), TypeError,

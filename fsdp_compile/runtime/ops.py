@@ -1,7 +1,8 @@
 """The two ops the passes work with.
 
 * ``fsdp_compile::unshard`` — a marker, never executed: under ``torch.compile`` every read of a sharded
-  parameter becomes one call ``unshard(flat_shard, accum, offset, numel, shape, dtype)``. The backend's
+  parameter becomes one call ``unshard(flat_shard, accum, offset, numel, shape, dtype, device)`` (``device``:
+  where the parameter is computed on, the shard's own or, with CPU offload, the one it is copied to). The backend's
   ``insert_collectives`` pass replaces all markers of one unit by ONE all-gather
   (``cast_all_gather_differentiable``) and a view per parameter. A marker that survives means the graph was
   compiled by another backend.
@@ -18,6 +19,8 @@
   HSDP (``replicas`` > 1: the unit is sharded over its group and replicated over a second group of
   ``replicas`` ranks): the reduced gradient shard is then averaged over the replicas (an all-reduce in
   ``reduce_dtype``), so every replica holds the average over all ranks.
+  CPU offload (``device``: the device the unit computes on, its shard in host memory): the shard is copied there
+  first (``copy_to_device``), and the reduced gradient back to the host (``copy_to_host``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ __all__ = [
     "all_reduce_avg",
     "all_to_all_avg",
     "cast_all_gather_differentiable",
+    "copy_to_device",
+    "copy_to_host",
     "reduce_scatter_avg",
     "unshard",
     "wait",
@@ -97,16 +102,18 @@ _NOT_OUR_GRAPH = (
 
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
 def unshard(
-    flat: torch.Tensor, accum: torch.Tensor | None, offset: int, numel: int, shape: list[int], dtype: torch.dtype
+    flat: torch.Tensor, accum: torch.Tensor | None, offset: int, numel: int, shape: list[int], dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
     raise RuntimeError(_NOT_OUR_GRAPH)
 
 
 @unshard.register_fake
 def _(
-    flat: torch.Tensor, accum: torch.Tensor | None, offset: int, numel: int, shape: list[int], dtype: torch.dtype
+    flat: torch.Tensor, accum: torch.Tensor | None, offset: int, numel: int, shape: list[int], dtype: torch.dtype,
+    device: torch.device,
 ) -> torch.Tensor:
-    return flat.new_empty(shape, dtype=dtype)
+    return flat.new_empty(shape, dtype=dtype, device=device)
 
 
 def _unshard_backward(ctx: Any, grad: torch.Tensor) -> None:
@@ -116,6 +123,39 @@ def _unshard_backward(ctx: Any, grad: torch.Tensor) -> None:
 
 
 unshard.register_autograd(_unshard_backward)
+
+
+@torch.library.custom_op("fsdp_compile::copy_to_device", mutates_args=())
+def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """CPU offload: a unit's shard copied from host memory to ``device``, asynchronously from pinned memory (on the
+    current stream: what reads it is ordered after it). Always a new tensor, also where the host is ``device`` (on
+    CPU the copy stands for the transfer)."""
+    return host.to(device, non_blocking=True, copy=True)
+
+
+@copy_to_device.register_fake
+def _(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return torch.empty_like(host, device=device)
+
+
+@torch.library.custom_op("fsdp_compile::copy_to_host", mutates_args=())
+def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """CPU offload: a reduced gradient copied to host memory (pinned when it comes from a GPU), done when this
+    returns: the optimizer steps on it on the host next, and the unit's shard (which earlier copies to the device
+    read, in stream order) may change then."""
+    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda).copy_(tensor)
+
+
+@copy_to_host.register_fake
+def _(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
+
+
+def _copy_to_device_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+    return copy_to_host(grad), None
+
+
+copy_to_device.register_autograd(_copy_to_device_backward)
 
 
 @dataclass(frozen=True)
@@ -167,11 +207,15 @@ def cast_all_gather_differentiable(
     group_name: str,
     replicas: int = 1,
     replicate_group_name: str | None = None,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """All-gather one unit's flat shard, cast to ``param_dtype``. Differentiable: gradients are averaged over
     the group in ``reduce_dtype`` (by ``grad_reduction``), then over the ``replicas`` (HSDP: the group named
     ``replicate_group_name``), and reach ``shard`` in its own dtype, or, with ``accum``, reach ``accum``
-    unreduced. One rank, not replicated: no collective."""
+    unreduced. One rank, not replicated: no collective. ``device``: CPU offload, the shard copied there first
+    (in its own dtype, cast there: the device's cast is free, the host's is not), its gradient copied back."""
+    if device is not None:
+        shard = copy_to_device(shard, device)
     if world_size == 1 and replicas == 1:
         return shard.to(param_dtype)
     how = _Collectives(
