@@ -43,12 +43,14 @@ KEYS: dict[str, tuple[tuple[str, ...], str]] = {
                                         "symmetric memory's barrier kernels (kernels: GPU only)"),
     "hsdp": (BOOL, "HSDP as on two nodes: a (replicate, shard) mesh of shape (2, ranks / 2); an even number "
                    "of ranks, at least 4"),
+    "offload": (BOOL, "CPU offload: FSDP2's CPUOffloadPolicy(pin_memory=True), the shards, gradients and AdamW "
+                      "(fused) on the host"),
 }
 """Spec keys: their values (``0``/``1`` for a switch) and what they set."""
 FAMILY_KEYS: dict[str, tuple[str, ...]] = {
     "no_comm_bound": ("cudagraphs", "regions"),
-    "fsdp2_eager": ("hsdp",),
-    "fsdp2_compile": ("hsdp",),
+    "fsdp2_eager": ("hsdp", "offload"),
+    "fsdp2_compile": ("hsdp", "offload"),
     "simplefsdp": (),
     "fsdp_compile": tuple(KEYS),
 }
@@ -79,6 +81,7 @@ class Spec:
     keep_gathered: bool = False
     barriers: str = "memops"
     hsdp: bool = False
+    offload: bool = False
 
     def options(self) -> dict[str, Any]:
         """The keys that differ from their defaults, in ``KEYS``' order."""
@@ -108,7 +111,8 @@ class Spec:
                  (not self.exchange_grads_in_param_dtype, "reduce_scatter"), (not self.gradients_in_place, "packed"),
                  (not self.regions, "whole_graph"),
                  (self.keep_gathered, "keep_gathered"), (not self.memory_plan, "unplanned"),
-                 (self.barriers == "kernels", "barrier_kernels"), (self.hsdp, "hsdp"), (self.cudagraphs, "cudagraphs"))
+                 (self.barriers == "kernels", "barrier_kernels"), (self.hsdp, "hsdp"), (self.cudagraphs, "cudagraphs"),
+                 (self.offload, "offload"))
         return "_".join(word for wanted, word in words if wanted and word)
 
     @property

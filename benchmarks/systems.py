@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -69,7 +69,12 @@ def _shard(model: Llama, spec: Spec, device: torch.device, group: dist.ProcessGr
                                      exchange_grads_in_param_dtype=spec.exchange_grads_in_param_dtype)
     fsdp_compile.shard(model, units=lambda fqn, m: id(m) in units, group=group,
                        mesh=_hsdp_mesh(device) if spec.hsdp else None, mp=mp,
-                       reshard_after_forward=False if spec.keep_gathered else lambda fqn, m: m is not last)
+                       reshard_after_forward=False if spec.keep_gathered else lambda fqn, m: m is not last,
+                       offload_policy=_offload(spec))
+
+
+def _offload(spec: Spec) -> OffloadPolicy:
+    return CPUOffloadPolicy(pin_memory=True) if spec.offload else OffloadPolicy()
 
 
 def _compiled(model: Llama, compiler: str, spec: Spec) -> Prepared:
@@ -127,8 +132,9 @@ def _fsdp2(spec: Spec, model: Llama, device: torch.device, compiler: str) -> Pre
         for i, layer in enumerate(model.layers):
             model.layers.register_module(str(i), torch.compile(layer, backend=compiler, fullgraph=True))
     for unit in _unit_modules(model):
-        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=unit is not _last_unit(model))
-    fully_shard(model, mesh=mesh, mp_policy=policy)  # FSDP2 does not reshard the root after forward
+        fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=unit is not _last_unit(model),
+                    offload_policy=_offload(spec))
+    fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=_offload(spec))  # the root: not resharded
     return Prepared(model, list(model.parameters()), replicas=2 if spec.hsdp else 1)
 
 
@@ -171,6 +177,6 @@ def grad_norms(model: nn.Module, replicas: int) -> dict[str, float]:
         name = name.replace("_orig_mod.", "").replace("_checkpoint_wrapped_module.", "")
         names.append(re.sub(r"parametrizations\.(\w+)\.original", r"\1", name))
         squares.append(grad.detach().float().pow(2).sum())
-    total = torch.stack(squares)
+    total = torch.stack(squares).to("cuda" if torch.cuda.is_available() else "cpu")  # offload: host gradients
     dist.all_reduce(total)
     return dict(zip(names, (total / replicas).sqrt().tolist()))

@@ -377,6 +377,17 @@ def test_parity_world_size_one() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype, param_dtype", [(torch.float64, torch.float64), (torch.float32, torch.bfloat16)],
+                         ids=["fp64", "bf16-fp32reduce"])
+def test_parity_cpu_offload_on_one_gpu(dtype: torch.dtype, param_dtype: torch.dtype) -> None:
+    """CPU offload on a GPU, Inductor: pinned host shards copied to the GPU and the gradients back, the optimizer
+    stepping on the host, against the unsharded model on the GPU (one rank: the copies are the whole gather)."""
+    case = Case("inductor", dtype, param_dtype, device="cuda", steps=3, offload=True)
+    spawn_ranks(_train_and_compare, 1, case, backend="nccl")
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs (NCCL)")
 @pytest.mark.parametrize(
     "dtype, param_dtype, options",
