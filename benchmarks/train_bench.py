@@ -42,6 +42,7 @@ from specs import Spec, default_specs, help_text, parse_specs
 
 MODELS = {
     "0.95b": LLAMA_0_95B, "8.8b": LLAMA_8B, "tiny": LLAMA_TINY, "tests": LLAMA_TESTS,
+    "5.9b": dataclasses.replace(LLAMA_8B, n_layers=20),  # 94 GB of fp32 weights, gradients and AdamW: offload's
     "tiny-untied": dataclasses.replace(LLAMA_TINY, tie_embeddings=False),
     "tests-untied": dataclasses.replace(LLAMA_TESTS, tie_embeddings=False),  # the test suite's runs of every system
     "80x1024": LlamaConfig(vocab_size=32000, dim=1024, n_layers=80, n_heads=8, ffn_dim=2816, max_seq_len=2048,
