@@ -23,7 +23,7 @@ from fsdp_compile._outside_forward import metadata_reads
 from fsdp_compile._plan_shard import ShardPlan, UnitPlan
 from fsdp_compile._regions import Regions
 from fsdp_compile._sharded_state_dict import install_state_dict_hooks
-from fsdp_compile._unit import SLOTS_ATTR, UNITS_ATTR, UnitState, cut_pieces, register_units, to_host
+from fsdp_compile._unit import SLOTS_ATTR, UNITS_ATTR, UnitState, cut_pieces, host_empty, register_units
 from fsdp_compile._watch import WATCH_ATTR, ModelWatch, call_watched
 
 __all__ = ["apply_shard"]
@@ -153,10 +153,11 @@ def _build_unit(
             full[slot.offset : slot.offset + slot.numel].copy_(param.detach().reshape(-1))
         _broadcast_from_rank_0(full, sync)
     start = rank * layout.shard_numel
-    flat = full[start : start + layout.shard_numel].clone().requires_grad_(any(p.requires_grad for p in params))
-    offload_to = None if offload_pin_memory is None else flat.device  # meta: to_empty says where
-    if offload_to is not None and not on_meta:
-        flat = to_host(flat, offload_pin_memory)
+    part = full[start : start + layout.shard_numel]
+    offload_to = None if offload_pin_memory is None else part.device  # meta: to_empty says where
+    host = offload_to is not None and not on_meta
+    flat = (host_empty(part, offload_pin_memory).copy_(part) if host else part.clone()).requires_grad_(
+        any(p.requires_grad for p in params))
     _internals.mark_static(flat)  # a model sharded again (other sizes) compiles with constant sizes: planned
     pieces = cut_pieces(flat, layout, rank, [p.requires_grad for p in params])
     state = UnitState(

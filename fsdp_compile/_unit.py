@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from fsdp_compile._watch import ModelWatch
 
 __all__ = [
-    "Piece", "UnitState", "cut_pieces", "is_sharded", "register_units", "sharded_units", "to_host", "unit_of_shard"
+    "Piece", "UnitState", "cut_pieces", "is_sharded", "register_units", "host_empty", "sharded_units", "unit_of_shard"
 ]
 
 UNITS_ATTR = "_fsdp_compile_units"
@@ -66,11 +66,10 @@ def cut_pieces(flat: torch.Tensor, layout: UnitLayout, rank: int, requires_grad:
     return pieces
 
 
-def to_host(flat: torch.Tensor, pin_memory: bool) -> torch.Tensor:
-    """CPU offload: a copy of the flat shard ``flat`` in host memory, a leaf as ``flat`` is (pinned where asked and
-    a GPU can read it: copies from pinned memory are asynchronous and about 9x faster, benchmarks/NOTES.md)."""
-    host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=pin_memory and torch.cuda.is_available())
-    return host.copy_(flat.detach()).requires_grad_(flat.requires_grad)
+def host_empty(like: torch.Tensor, pin_memory: bool) -> torch.Tensor:
+    """CPU offload: an uninitialised tensor of ``like``'s shape and dtype in host memory, pinned where asked and a
+    GPU can read it (copies from pinned memory are asynchronous, and much faster)."""
+    return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin_memory and torch.cuda.is_available())
 
 
 class UnitState:
@@ -233,9 +232,12 @@ class UnitState:
         """Give a flat shard on the meta device storage, ``empty(flat)`` (``module.to_empty``), and cut new
         pieces of it; return the old pieces (their owners must be given the new ones)."""
         old, replaced = self.flat, self.pieces
-        self.flat = empty(old.detach()).zero_().requires_grad_(old.requires_grad)  # the padding zero, as shard()'s
-        if self.offload_to is not None:  # to_empty's device is where the unit computes; the shard stays on the host
-            self.offload_to, self.flat = self.flat.device, to_host(self.flat, self.pin_memory)
+        if self.offload_to is None:
+            new = empty(old.detach())
+        else:  # to_empty's device is where the unit computes; the shard is allocated on the host
+            self.offload_to = empty(old.detach()[:0]).device
+            new = host_empty(old, self.pin_memory)
+        self.flat = new.zero_().requires_grad_(old.requires_grad)  # the padding zero, as shard()'s
         _internals.mark_static(self.flat)
         self.pieces = cut_pieces(self.flat, self.layout, self.rank, [p.param.requires_grad for p in replaced])
         if self.trainable:
