@@ -26,6 +26,7 @@ from fsdp_compile.runtime.ops import (
     all_gather_nograd,
     all_reduce_avg,
     cast_all_gather_differentiable,
+    copy_to_host,
     reduce_scatter_avg,
     unshard,
 )
@@ -273,7 +274,8 @@ class UnitState:
 
     def set_requires_gradient_sync(self, requires: bool) -> None:
         self.requires_gradient_sync = requires
-        if not requires and self.accum is None and self.groups and self.trainable:  # a unit with a reduction
+        if not requires and self.accum is None and self.trainable and (self.groups or self.offload_to is not None):
+            # a unit with a reduction, or offloaded (its gradient is not copied to the host each micro-batch)
             # A stride-0 view of one element: a leaf of full shape that costs no memory until it has a grad.
             zero = torch.zeros((), dtype=self.reduce_dtype, device=self.compute_device)
             self.accum = zero.expand(self.layout.padded_numel).requires_grad_()
@@ -293,7 +295,8 @@ class UnitState:
         accum.grad = None
         self.accum = None
         counters["fsdp_compile"]["accumulated_reduce_scatters"] += 1
-        self._deliver(reduced.to(self.flat.device, self.flat.dtype))
+        reduced = reduced.to(self.flat.dtype)
+        self._deliver(reduced if self.offload_to is None else copy_to_host(reduced))
 
     def distribute_grad(self, flat: torch.Tensor) -> None:
         """Post-accumulate hook of the flat shard: hand each piece its slice, then clear ``flat.grad``."""

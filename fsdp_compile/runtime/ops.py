@@ -216,7 +216,7 @@ def cast_all_gather_differentiable(
     (in its own dtype, cast there: the device's cast is free, the host's is not), its gradient copied back."""
     if device is not None:
         shard = copy_to_device(shard, device)
-    if world_size == 1 and replicas == 1:
+    if world_size == 1 and replicas == 1 and accum is None:
         return shard.to(param_dtype)
     how = _Collectives(
         param_dtype, reduce_dtype, grad_reduction, world_size, group_name, replicas,
