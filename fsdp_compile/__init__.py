@@ -13,6 +13,7 @@ from fsdp_compile._dump import from_environment as _dump_from_environment
 from fsdp_compile._init_parameters import init_parameters
 from fsdp_compile._save_safetensors import save_safetensors
 from fsdp_compile._shard import set_requires_gradient_sync, shard
+from fsdp_compile._step_in_backward import step_in_backward
 from fsdp_compile._sharded_state_dict import load_sharded_optimizer_state_dict, sharded_optimizer_state_dict
 from fsdp_compile._state_dict import (
     full_optimizer_state_dict,
@@ -49,6 +50,7 @@ __all__ = [
     "sharded_optimizer_state_dict",
     "sharded_units",
     "slab_bytes",
+    "step_in_backward",
     "summon_full_params",
     "sync_buffers",
 ]

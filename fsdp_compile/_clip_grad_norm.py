@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_compile._step_in_backward import refuse_inside_step_in_backward
 from fsdp_compile._unit import sharded_units
 
 __all__ = ["clip_grad_norm_"]
@@ -34,6 +35,9 @@ def clip_grad_norm_(
     A collective: every rank of the units' process group calls it, after backward and before
     ``optimizer.step()``. The norm of each unit is summed over its group (one all-reduce per group); a
     parameter that is no piece of a unit (e.g. added after ``shard()``) counts as replicated, once."""
+    refuse_inside_step_in_backward(sharded_units(module), "clip_grad_norm_", (
+        "clipping needs every gradient before any step, and step_in_backward steps each unit as its gradient lands. "
+        "Clip without it: backward, clip_grad_norm_, optimizer.step()"))
     norm_type = float(norm_type)
     if not (norm_type > 0 or norm_type == math.inf):
         raise ValueError(f"norm_type must be a positive number or inf, got {norm_type}")

@@ -37,6 +37,7 @@ from fsdp_compile._agree import agree_on_values, fingerprint
 from fsdp_compile._apply_shard import apply_shard
 from fsdp_compile._layout import unit_label
 from fsdp_compile._plan_shard import ReshardSpec, ShardPlan, UnitSpec, plan_shard
+from fsdp_compile._step_in_backward import refuse_inside_step_in_backward
 from fsdp_compile._unit import is_sharded, sharded_units
 from fsdp_compile.config import MixedPrecision
 
@@ -158,7 +159,12 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         model(batches[-1]).backward()
         optimizer.step()
     """
-    for state in sharded_units(module):
+    units = sharded_units(module)
+    if not requires_gradient_sync:
+        refuse_inside_step_in_backward(units, "set_requires_gradient_sync(model, False)", (
+            "a micro-batch without gradient sync has no optimizer step. Accumulate outside it; wrap only the last "
+            "micro-batch's backward"))
+    for state in units:
         state.set_requires_gradient_sync(requires_gradient_sync)
 
 

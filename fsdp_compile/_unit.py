@@ -21,6 +21,7 @@ from fsdp_compile._internals import counters
 from fsdp_compile._layout import ParamSlot, UnitLayout, unit_label
 from fsdp_compile._outside_forward import outside_forward, read_in_backward_message, read_outside_forward
 from fsdp_compile._weak import weak_method
+from fsdp_compile.runtime import host_copies
 from fsdp_compile.runtime.ops import (
     GradReduction,
     all_gather_nograd,
@@ -32,6 +33,7 @@ from fsdp_compile.runtime.ops import (
 )
 
 if TYPE_CHECKING:
+    from fsdp_compile._step_in_backward import Stepper
     from fsdp_compile._watch import ModelWatch
 
 __all__ = [
@@ -127,6 +129,8 @@ class UnitState:
         self.outside: Callable[[ParamSlot], torch.Tensor] | None = None
         """Inside ``init_parameters`` or ``summon_full_params``: what reading a parameter gives (its full value)."""
         self.watch = watch
+        self.stepper: Stepper | None = None
+        """Inside ``fsdp_compile.step_in_backward``: what steps the unit's parameters once its gradient lands."""
         """The model's :class:`~fsdp_compile._watch.ModelWatch` (whether its forward runs; its backward's progress)."""
         if self.trainable:
             self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
@@ -303,17 +307,28 @@ class UnitState:
         self.watch.backward_ran()
         grad = flat.grad
         flat.grad = None
-        if grad is not None:
-            self._deliver(grad)
+        if grad is None:
+            return
+        if self.offload_to is not None and self.offload_to.type == "cuda" and not host_copies.is_pending(grad):
+            raise AssertionError(  # autograd copied it (a host read) instead of taking it: its copy may not be done
+                f"unit {unit_label(self.layout.name)!r}: the gradient reached the host shard copied, not as copied "
+                "from the device"
+            )
+        self._deliver(grad)
 
     def _deliver(self, grad: torch.Tensor) -> None:
+        """Hand each trainable piece its slice of ``grad`` (added to the piece's gradient if it has one); then, inside
+        ``step_in_backward``, have the unit's parameters stepped."""
         for piece in self.pieces:
             if not piece.param.requires_grad:
                 continue
             if piece.param.grad is None:
                 piece.param.grad = grad[piece.lo : piece.hi]
             else:
+                host_copies.wait_for(grad)
                 piece.param.grad.add_(grad[piece.lo : piece.hi])
+        if self.stepper is not None:
+            self.stepper.landed(self, grad)
 
 
 def register_units(module: nn.Module, states: list[UnitState]) -> None:

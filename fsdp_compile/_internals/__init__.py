@@ -252,6 +252,11 @@ def running_backward() -> bool:
     return _current_graph_task_id() != -1
 
 
+def backward_task() -> int:
+    """The autograd backward pass (graph task) this thread runs now; -1 outside any."""
+    return _current_graph_task_id()
+
+
 def run_by_python(fn: Callable[..., T]) -> Callable[..., T]:
     """``fn``, whose frames Dynamo leaves to Python when they are the first it meets, while it compiles the calls
     ``fn`` makes: ``torch.compile(module)`` with ``fn`` as the module's ``__call__`` compiles what ``fn`` calls,

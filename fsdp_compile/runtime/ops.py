@@ -31,7 +31,7 @@ from typing import Any, Literal
 import torch
 
 from fsdp_compile._internals import c10d_functional as _c10d
-from fsdp_compile.runtime import gloo_wait
+from fsdp_compile.runtime import gloo_wait, host_copies
 
 __all__ = [
     "GradReduction",
@@ -140,10 +140,10 @@ def _(host: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 @torch.library.custom_op("fsdp_compile::copy_to_host", mutates_args=())
 def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
-    """CPU offload: a reduced gradient copied to host memory (pinned when it comes from a GPU), done when this
-    returns: the optimizer steps on it on the host next, and the unit's shard (which earlier copies to the device
-    read, in stream order) may change then."""
-    return torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda).copy_(tensor)
+    """CPU offload: a reduced gradient copied to host memory (pinned when it comes from a GPU), on a side stream,
+    overlapping the rest of backward; ready when backward returns, or earlier for whoever waits for it
+    (``fsdp_compile.runtime.host_copies``)."""
+    return host_copies.copy_to_host(tensor)
 
 
 @copy_to_host.register_fake

@@ -1,0 +1,94 @@
+"""``fsdp_compile.step_in_backward``: each unit stepped as its gradient lands gives the bits of the step after
+backward (CPU offload, 2 gloo ranks, compiled and eager), and its refusals leave the model and optimizer as they were."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+import fsdp_compile
+from fsdp_compile.testing.dist import run_ranks
+from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama
+
+STEPS = 3
+
+
+def _sharded(base: torch.nn.Module, compiler: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+    model = copy.deepcopy(base)
+    fsdp_compile.shard(model, units=[Block], offload_policy=CPUOffloadPolicy())
+    run = model if compiler == "eager" else torch.compile(model, backend=fsdp_compile.backend(compiler=compiler))
+    return model, run, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+
+
+def _loss(run: torch.nn.Module, rank: int, seed: int) -> torch.Tensor:
+    tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (4, 9), generator=torch.Generator().manual_seed(seed))
+    local = tokens[2 * rank : 2 * rank + 2]
+    return run(local[:, :-1], local[:, 1:])
+
+
+def _bits(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    named = list(model.named_parameters())
+    return {**{n: p.detach().clone() for n, p in named},
+            **{f"{n}.{k}": v.clone() for n, p in named for k, v in opt.state[p].items()}}
+
+
+def _same_bits_as_the_step_after_backward(rank: int, world_size: int) -> None:
+    torch.manual_seed(0)
+    base = Llama(LLAMA_TESTS).double()
+    for compiler in ("aot_eager", "eager"):
+        model, run, opt = _sharded(base, compiler)
+        ref_model, ref_run, ref_opt = _sharded(base, compiler)
+        for step in range(STEPS):
+            micro = 2 if step == 1 else 1  # step 1: a micro-batch accumulated before the one stepped in backward
+            for k in range(micro - 1):
+                _loss(run, rank, 10 * step + k).backward()
+                _loss(ref_run, rank, 10 * step + k).backward()
+            with fsdp_compile.step_in_backward(model, opt) as stepper:
+                _loss(run, rank, 10 * step + micro - 1).backward()
+            assert len(stepper.stepped) == len(fsdp_compile.sharded_units(model))
+            assert all(p.grad is None for p in model.parameters()), "the step in backward consumes the gradients"
+            _loss(ref_run, rank, 10 * step + micro - 1).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+            opt.zero_grad()
+            got, want = _bits(model, opt), _bits(ref_model, ref_opt)
+            assert list(got) == list(want)
+            differ = [k for k in want if not torch.equal(got[k], want[k])]
+            assert not differ, f"{compiler} step {step}: not bitwise the step after backward: {differ[:3]}"
+    _refusals(model, run, opt, rank)
+
+
+def _refusals(model: torch.nn.Module, run: torch.nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
+    """Each refusal raises before a unit is stepped, and leaves step_in_backward usable."""
+    before = _bits(model, opt)
+    with pytest.raises(RuntimeError, match="clipping needs every gradient before any step"):
+        with fsdp_compile.step_in_backward(model, opt):
+            fsdp_compile.clip_grad_norm_(model, 1.0)
+    with pytest.raises(RuntimeError, match="a micro-batch without gradient sync has no optimizer step"):
+        with fsdp_compile.step_in_backward(model, opt):
+            fsdp_compile.set_requires_gradient_sync(model, False)
+    fsdp_compile.set_requires_gradient_sync(model, False)
+    with pytest.raises(RuntimeError, match="non-final micro-batch of gradient accumulation"):
+        fsdp_compile.step_in_backward(model, opt).__enter__()
+    fsdp_compile.set_requires_gradient_sync(model, True)
+    with pytest.raises(RuntimeError, match="no gradient landed inside the `with` block"):
+        with fsdp_compile.step_in_backward(model, opt):
+            loss = _loss(run, rank, 99)
+    loss.backward()  # outside: no step, the gradients kept
+    assert all(p.grad is not None for p in model.parameters())
+    opt.zero_grad()
+    extra = torch.nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"steps a tensor of shape \(3,\), which is no piece"):
+        fsdp_compile.step_in_backward(model, torch.optim.SGD([*model.parameters(), extra], lr=0.1))
+    with pytest.raises(ValueError, match="LBFGS"):
+        fsdp_compile.step_in_backward(model, torch.optim.LBFGS(model.parameters()))
+    after = _bits(model, opt)
+    assert all(torch.equal(before[k], after[k]) for k in before), "a refusal changed the model or its optimizer"
+    assert all(u.stepper is None for u in fsdp_compile.sharded_units(model))
+
+
+def test_step_in_backward_is_bitwise_the_step_after_backward_and_refuses_clearly() -> None:
+    run_ranks(_same_bits_as_the_step_after_backward, 2)
