@@ -59,6 +59,8 @@ class Settings:
     profile_steps: int
     trace_dir: str | None
     trace_kernels_only: bool
+    micro_batches: int = 1
+    """Forward+backward passes per optimizer step, each of ``batch`` sequences (gradient accumulation)."""
 
 
 class _Collections:
@@ -104,23 +106,36 @@ class _Steps:
     """One system's training steps: the same data for every system (seeded by step and rank), the host's time
     stamps after forward and after backward, the gradient norms after step 0."""
 
-    def __init__(self, prepared: Prepared, model: Llama, batch: int, seq: int, device: torch.device) -> None:
+    def __init__(self, prepared: Prepared, model: Llama, batch: int, seq: int, micro_batches: int,
+                 device: torch.device) -> None:
         self.prepared, self.model, self.batch, self.seq, self.device = prepared, model, batch, seq, device
+        self.micro_batches = micro_batches
         self.opt = _optimizer(prepared.params, device)
         self.marks: list[float] = []
         self.grad_norms: dict[str, float] = {}
 
     def forward_backward(self, i: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(1000 * i + dist.get_rank())
-        tokens = torch.randint(0, self.model.cfg.vocab_size, (self.batch, self.seq + 1), generator=gen).to(self.device)
-        loss = self.prepared.module(tokens[:, :-1], tokens[:, 1:])
-        self.marks.append(time.perf_counter())
-        loss.backward()
-        self.marks.append(time.perf_counter())
-        return loss.detach().clone()  # a CUDA graph's next replay overwrites its outputs
+        """The step's micro-batches (the host's marks: the first one's forward and backward); step 0 never steps in
+        backward (its gradients are the guards' norms)."""
+        losses = []
+        for micro in range(self.micro_batches):
+            last = micro == self.micro_batches - 1
+            if self.prepared.set_sync is not None:
+                self.prepared.set_sync(last)
+            gen = torch.Generator().manual_seed(1000 * i + 100 * micro + dist.get_rank())
+            tokens = torch.randint(0, self.model.cfg.vocab_size, (self.batch, self.seq + 1), generator=gen)
+            tokens = tokens.to(self.device)
+            loss = self.prepared.module(tokens[:, :-1], tokens[:, 1:])
+            self.marks.append(time.perf_counter())
+            stepping = self.prepared.stepping if last and i > 0 else None
+            with stepping(self.opt) if stepping is not None else contextlib.nullcontext():
+                loss.backward()
+            self.marks.append(time.perf_counter())
+            losses.append(loss.detach().clone())  # a CUDA graph's next replay overwrites its outputs
+        return torch.stack(losses).mean()
 
     def optimize(self) -> None:
-        self.opt.step()
+        self.opt.step()  # after step_in_backward, no gradient is left: nothing to step
         self.opt.zero_grad()
 
     def step(self, i: int) -> torch.Tensor:
@@ -140,6 +155,7 @@ def _timed_steps(steps: _Steps, result: Result, settings: Settings) -> dict[str,
             if i == settings.warmup:
                 if steps.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(steps.device)
+                    getattr(torch.cuda.memory, "reset_peak_host_memory_stats", lambda: None)()
                 gc.callbacks.append(collections)
                 counting.callback(gc.callbacks.remove, collections)
             _sync(steps.device)
@@ -201,9 +217,10 @@ def run(spec: Spec, cfg: LlamaConfig, batch: int, seq: int, repeat: int, setting
     with device:
         model = Llama(cfg)
     model_ref = weakref.ref(model)
-    steps = _Steps(build(spec, model, device, settings.compiler), model, batch, seq, device)
+    steps = _Steps(build(spec, model, device, settings.compiler), model, batch, seq, settings.micro_batches, device)
     del model
-    result = Result(system=spec.name, tokens_per_gpu=batch * seq, batch=batch, seq=seq, repeat=repeat, losses=[],
+    tokens = batch * seq * settings.micro_batches
+    result = Result(system=spec.name, tokens_per_gpu=tokens, batch=batch, seq=seq, repeat=repeat, losses=[],
                     step_ms=[], peak_comparable=not spec.cudagraphs)
     with steps.prepared.context(), _garbage_collection(settings.gc):
         host = _timed_steps(steps, result, settings)
@@ -213,9 +230,10 @@ def run(spec: Spec, cfg: LlamaConfig, batch: int, seq: int, repeat: int, setting
             symmetric = fsdp_compile.slab_bytes(symmetric=True)  # the driver's memory: not in the allocator's peak
             result.peak_gib = (torch.cuda.max_memory_allocated(device) - resident + symmetric) / 2**30
             result.reserved_gib = torch.cuda.max_memory_reserved(device) / 2**30
+        result.extra.update(_host_memory_gib())
         result.fwd_bwd_ms, result.opt_ms = _split_steps(steps, settings)
         if device.type == "cuda" and settings.profile_steps:
-            overlap = _profile(steps, settings, f"{spec.name}_{batch * seq}_run{repeat}_rank{dist.get_rank()}")
+            overlap = _profile(steps, settings, f"{spec.name}_{tokens}_run{repeat}_rank{dist.get_rank()}")
             result.comm_ms, result.exposed_comm_ms = overlap["comm"], overlap["exposed"]
             result.compute_ms, result.idle_ms = overlap["compute"], overlap["idle"]
     if spec.family == "no_comm_bound":
@@ -226,7 +244,7 @@ def run(spec: Spec, cfg: LlamaConfig, batch: int, seq: int, repeat: int, setting
     result.extra.update({key: [rank[key] for rank in per_rank] for key in host})
     result.cpu_ms = max(result.extra["host_ms_per_rank"])
     result.compile_s = max(0.0, (result.step_ms[0] - result.median_step_ms) / 1e3)
-    result.tokens_per_s_per_gpu = batch * seq / (result.median_step_ms / 1e3)
+    result.tokens_per_s_per_gpu = tokens / (result.median_step_ms / 1e3)
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else ""
     peak = next((flops for name, flops in PEAK_BF16_FLOPS.items() if name in card), None)
     if peak:
@@ -254,7 +272,21 @@ def _release(device: torch.device) -> int:
     if device.type != "cuda":
         return 0
     torch.cuda.empty_cache()
+    empty_host_cache = getattr(torch._C, "_host_emptyCache", None) or getattr(torch._C, "_accelerator_emptyHostCache")
+    empty_host_cache()  # CPU offload's pinned blocks, cached by the host allocator: the next system's host memory
     return torch.cuda.memory_allocated(device)
+
+
+def _host_memory_gib() -> dict[str, float]:
+    """This process's resident host memory now, and the pinned allocator's peak (CPU offload's shards, gradients
+    and copies) since its last reset."""
+    with open("/proc/self/statm") as statm:
+        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    out = {"host_rss_gib": rss / 2**30}
+    stats = getattr(torch.cuda.memory, "host_memory_stats", None)
+    if stats is not None and torch.cuda.is_available():
+        out["host_pinned_peak_gib"] = stats().get("active_bytes.peak", 0) / 2**30
+    return out
 
 
 def _sharded_optimizer_ms(params: list[nn.Parameter], reps: int, device: torch.device) -> float:

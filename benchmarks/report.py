@@ -24,7 +24,8 @@ BOUNDS = ("no_comm_bound", "no_comm_bound_cudagraphs")
 ROUTES = ("nccl", "copy_engine", "copy_engine_exchange", "nccl_gather_copy_engine_exchange")
 """The fixed routes: their systems are ``fsdp_compile_<route>`` (``_cudagraphs`` with CUDA graphs), each beside
 ``fsdp_compile`` (``_cudagraphs``), the default: ``all_gather="auto"`` and ``grad_reduce="auto"``."""
-REFERENCES = ("fsdp2_eager", "fsdp2_compile", "fsdp2_eager_offload", "fsdp2_compile_offload")
+REFERENCES = ("fsdp2_eager", "fsdp2_compile", "fsdp2_eager_offload", "fsdp2_compile_offload", "fsdp2_eager_offload_sync_off",
+              "fsdp2_compile_offload_sync_off")
 """The guards' reference and the tables' "vs FSDP2" column: FSDP2 eager, or FSDP2 + compile in a run that
 leaves eager out (the 8.8B model, where eager takes minutes and the bound does not fit one GPU), or FSDP2 with CPU
 offload in a run of a model that fits no GPU without it."""

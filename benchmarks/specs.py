@@ -45,12 +45,16 @@ KEYS: dict[str, tuple[tuple[str, ...], str]] = {
                    "of ranks, at least 4"),
     "offload": (BOOL, "CPU offload: FSDP2's CPUOffloadPolicy(pin_memory=True), the shards, gradients and AdamW "
                       "(fused) on the host"),
+    "sync_off": (BOOL, "with --micro-batches: gradient sync off for every micro-batch but the last "
+                       "(set_requires_gradient_sync; 0: reduced every micro-batch, torchtitan's way)"),
+    "step_in_backward": (BOOL, "the step's last backward inside fsdp_compile.step_in_backward (each unit stepped as "
+                               "its gradient lands)"),
 }
 """Spec keys: their values (``0``/``1`` for a switch) and what they set."""
 FAMILY_KEYS: dict[str, tuple[str, ...]] = {
     "no_comm_bound": ("cudagraphs", "regions"),
-    "fsdp2_eager": ("hsdp", "offload"),
-    "fsdp2_compile": ("hsdp", "offload"),
+    "fsdp2_eager": ("hsdp", "offload", "sync_off"),
+    "fsdp2_compile": ("hsdp", "offload", "sync_off"),
     "simplefsdp": (),
     "fsdp_compile": tuple(KEYS),
 }
@@ -82,6 +86,8 @@ class Spec:
     barriers: str = "memops"
     hsdp: bool = False
     offload: bool = False
+    sync_off: bool = False
+    step_in_backward: bool = False
 
     def options(self) -> dict[str, Any]:
         """The keys that differ from their defaults, in ``KEYS``' order."""
@@ -112,7 +118,7 @@ class Spec:
                  (not self.regions, "whole_graph"),
                  (self.keep_gathered, "keep_gathered"), (not self.memory_plan, "unplanned"),
                  (self.barriers == "kernels", "barrier_kernels"), (self.hsdp, "hsdp"), (self.cudagraphs, "cudagraphs"),
-                 (self.offload, "offload"))
+                 (self.offload, "offload"), (self.sync_off, "sync_off"), (self.step_in_backward, "step_in_backward"))
         return "_".join(word for wanted, word in words if wanted and word)
 
     @property

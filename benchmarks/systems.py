@@ -42,6 +42,10 @@ class Prepared:
     """Entered around every step (Inductor settings must hold at the lazy backward compile too)."""
     replicas: int = 1
     """HSDP: ranks holding each gradient element (its norm's squares are summed over every rank)."""
+    set_sync: Callable[[bool], None] | None = None
+    """``sync_off``: switches gradient sync (off for the micro-batches before the last)."""
+    stepping: Callable[[torch.optim.Optimizer], contextlib.AbstractContextManager[Any]] | None = None
+    """``step_in_backward``: what the step's last backward runs inside (the optimizer steps there)."""
 
 
 def _unit_modules(model: Llama) -> list[nn.Module]:
@@ -104,6 +108,10 @@ def _fsdp_compile(spec: Spec, model: Llama, device: torch.device, compiler: str)
     instead of the driver's stream memory operations (``Slab.barrier``), for their A/B."""
     _shard(model, spec, device)
     prepared = dataclasses.replace(_compiled(model, compiler, spec), replicas=2 if spec.hsdp else 1)
+    if spec.sync_off:
+        prepared.set_sync = partial(fsdp_compile.set_requires_gradient_sync, model)
+    if spec.step_in_backward:
+        prepared.stepping = partial(fsdp_compile.step_in_backward, model)
     if spec.barriers == "kernels":
         prepared.context = partial(mock.patch.object, cuda_driver, "has_stream_memops", lambda: False)
     return prepared
@@ -135,7 +143,8 @@ def _fsdp2(spec: Spec, model: Llama, device: torch.device, compiler: str) -> Pre
         fully_shard(unit, mesh=mesh, mp_policy=policy, reshard_after_forward=unit is not _last_unit(model),
                     offload_policy=_offload(spec))
     fully_shard(model, mesh=mesh, mp_policy=policy, offload_policy=_offload(spec))  # the root: not resharded
-    return Prepared(model, list(model.parameters()), replicas=2 if spec.hsdp else 1)
+    return Prepared(model, list(model.parameters()), replicas=2 if spec.hsdp else 1,
+                    set_sync=model.set_requires_gradient_sync if spec.sync_off else None)  # type: ignore[operator]
 
 
 def _simplefsdp(spec: Spec, model: Llama, device: torch.device, compiler: str) -> Prepared:

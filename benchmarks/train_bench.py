@@ -78,6 +78,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--gc", choices=("auto", "manual"), default="auto",
                         help="Python's garbage collection during the steps: automatic, or none (torchtitan's gc_freq)")
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="forward+backward passes per optimizer step (gradient accumulation); --tokens is each one's")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of timing and peak memory")
     parser.add_argument("--split-steps", type=int, default=3,
                         help="extra steps with forward+backward and the optimizer timed apart (the tight bound)")

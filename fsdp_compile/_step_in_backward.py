@@ -86,6 +86,8 @@ class Stepper:
                 group["params"] = params
         for piece in unit.pieces:
             piece.param.grad = None
+        if unit.offload_to is not None:  # the next step's first copies move the narrower mirror
+            host_copies.refresh_mirror(unit.flat, unit.param_dtype)
         self.stepped.append(unit_label(unit.layout.name))
 
     def __exit__(

@@ -98,9 +98,9 @@ def test_backward_regathers_and_reduces_once_per_unit(graphs: dict[str, fx.Graph
 
 def test_cpu_offload_copies_each_unit_to_the_device_with_its_gather_and_its_gradient_back() -> None:
     """FSDP2's ``CPUOffloadPolicy``, bf16 compute: each all-gather reads its unit's shard copied to the device in
-    the shard's dtype and cast there (FSDP2's order: benchmarks/NOTES.md), the copy right before the cast and the
-    all-gather, so the schedule moves (prefetches) the three together; backward copies again for its re-gather and
-    copies each reduced gradient, in the shard's dtype, to the host: the graph's outputs."""
+    bf16 (the copy casts: from the host's bf16 mirror where current, fsdp_compile.runtime.host_copies), the copy
+    right before the all-gather, so the schedule moves (prefetches) both together; backward copies again for its
+    re-gather and copies each reduced gradient, in the shard's dtype, to the host: the graph's outputs."""
     mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     graphs = _graphs("aot_eager", mp, offload_policy=CPUOffloadPolicy())
     h2d, d2h = torch.ops.fsdp_compile.copy_to_device.default, torch.ops.fsdp_compile.copy_to_host.default
@@ -109,11 +109,10 @@ def test_cpu_offload_copies_each_unit_to_the_device_with_its_gather_and_its_grad
         copies = [n for n in nodes if n.target is h2d]
         assert len(copies) == _count(graphs[stage], ALL_GATHERS) == N_UNITS, stage
         for copy in copies:
-            (gather,) = copy.users  # the all-gather into its slot casts as it copies (without the plan: a cast first)
-            if gather.target in CASTS:
-                (gather,) = gather.users
-            assert copy.args[0].op == "placeholder" and copy.meta["val"].dtype == torch.float32, copy.format_node()
-            assert gather.target in ALL_GATHERS and 0 < nodes.index(gather) - nodes.index(copy) <= 2, stage
+            (gather,) = copy.users
+            assert copy.args[0].op == "placeholder" and copy.args[0].meta["val"].dtype == torch.float32
+            assert copy.meta["val"].dtype == torch.bfloat16, copy.format_node()
+            assert gather.target in ALL_GATHERS and 0 < nodes.index(gather) - nodes.index(copy) <= 2, stage  # a slot's slice between
         waits = [n for n in nodes if n.target == _c10d.wait_tensor.default]
         assert all(nodes.index(copies[k]) < nodes.index(waits[k - 1]) for k in range(1, N_UNITS)), stage  # prefetch
     back = [n for n in graphs["backward"].graph.nodes if n.target is d2h]

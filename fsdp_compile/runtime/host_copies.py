@@ -1,6 +1,14 @@
-"""CPU offload's copies of gradients to host memory, off the compute stream.
+"""CPU offload's copies between host and device memory.
 
-A GPU gradient is copied to pinned host memory on a side stream of its own, so the copy overlaps the rest of
+To the device (:func:`copy_to_device`): a shard is copied in its own dtype and cast on the device (FSDP2's order:
+the device's cast is free, the host's is not: benchmarks/NOTES.md), while a host thread casts it into a *mirror* in
+the parameters' narrower dtype; the shard's next copies of the same values (the other micro-batches of gradient
+accumulation, backward's re-gather) move the mirror: half the bytes over the link for the same bits. A mirror is
+used while the shard's version counter (which every in-place write bumps: the optimizer's, a load, ``copy_``) and a
+sample of its values still match; a write through ``.data`` that changes none of the sampled elements is the one
+thing it cannot see (don't write offloaded shards through ``.data``).
+
+To the host (:func:`copy_to_host`): a GPU gradient is copied to pinned host memory on a side stream of its own, so the copy overlaps the rest of
 backward's compute, and :func:`copy_to_host` returns at once: the host tensor is *pending* until its copy is done.
 Whoever reads one first waits for it (:func:`wait_for`: the step in backward, the accumulation of a gradient into
 an earlier one); the backward pass that made the copies waits for all of them before it returns
@@ -12,9 +20,17 @@ from __future__ import annotations
 
 import torch
 
+import concurrent.futures
+import weakref
+from dataclasses import dataclass
+
 from fsdp_compile import _internals
 
-__all__ = ["copy_to_host", "is_pending", "wait_for", "wait_for_all"]
+__all__ = ["copy_to_device", "copy_to_host", "is_pending", "refresh_mirror", "wait_for", "wait_for_all"]
+
+SAMPLES = 1024
+"""Elements of a shard compared with its mirror at each use (evenly spaced): a cheap check for writes the version
+counter does not count."""
 
 _streams: dict[int, torch.cuda.Stream] = {}
 """Per device: the stream the copies to the host run on."""
@@ -26,6 +42,77 @@ _queued_for: list[int] = [-1]
 
 def _key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
+
+
+@dataclass
+class _Mirror:
+    """A shard's values in a narrower dtype, in pinned host memory."""
+
+    tensor: torch.Tensor
+    version: int
+    """The shard's version counter when the cast began."""
+    cast: concurrent.futures.Future[None]
+    """The host thread's cast into ``tensor``."""
+    read: torch.cuda.Event | None = None
+    """Recorded after the last copy that read ``tensor`` (a new cast waits for it)."""
+
+
+_mirrors: weakref.WeakKeyDictionary[torch.Tensor, _Mirror] = weakref.WeakKeyDictionary()
+"""Per offloaded shard (the host tensor a graph or eager step passes): its mirror."""
+_caster: list[concurrent.futures.ThreadPoolExecutor] = []
+"""The host thread that casts shards into their mirrors (made at the first cast)."""
+
+
+def copy_to_device(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``host`` on ``device`` in ``dtype``: from the shard's mirror where it is current, else copied in its own dtype
+    and cast there, a new mirror cast meanwhile on the host (module docstring). From pageable memory or to a CPU
+    device: the plain copy and cast."""
+    if dtype == host.dtype or device.type != "cuda" or not host.is_pinned():
+        return host.to(device, non_blocking=True, copy=True).to(dtype)
+    mirror = _mirrors.get(host)
+    if mirror is not None and _current(mirror, host):
+        out = mirror.tensor.to(device, non_blocking=True)
+        mirror.read = torch.cuda.Event()
+        mirror.read.record()
+        _internals.counters["fsdp_compile"]["offload_copies_from_mirror"] += 1
+        return out
+    out = host.to(device, non_blocking=True).to(dtype)
+    if mirror is None or mirror.cast.done():  # stale or new; not while a cast into it runs
+        _start_cast(host, dtype, mirror)
+    return out
+
+
+def refresh_mirror(host: torch.Tensor, dtype: torch.dtype) -> None:
+    """Start casting ``host`` (a pinned shard) into its mirror in ``dtype`` on the host thread, unless the mirror is
+    current or a cast into it runs (the step in backward calls it once it has stepped a unit)."""
+    if dtype == host.dtype or not host.is_pinned():
+        return
+    mirror = _mirrors.get(host)
+    if mirror is None or (mirror.cast.done() and mirror.version != host._version):
+        _start_cast(host, dtype, mirror)
+
+
+def _current(mirror: _Mirror, host: torch.Tensor) -> bool:
+    if mirror.version != host._version or not mirror.cast.done():
+        return False
+    step = max(1, host.numel() // SAMPLES)
+    return torch.equal(host[::step].to(mirror.tensor.dtype), mirror.tensor[::step])
+
+
+def _start_cast(host: torch.Tensor, dtype: torch.dtype, old: _Mirror | None) -> None:
+    """Cast ``host`` into its mirror (``old``'s memory, once the copies that read it are done) on the host thread."""
+    tensor = torch.empty(host.shape, dtype=dtype, pin_memory=True) if old is None else old.tensor
+    read = None if old is None else old.read
+    version = host._version
+
+    def cast() -> None:
+        if read is not None:
+            read.synchronize()
+        tensor.copy_(host)
+
+    if not _caster:
+        _caster.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="fsdp_compile mirror"))
+    _mirrors[host] = _Mirror(tensor, version, _caster[0].submit(cast))
 
 
 def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:

@@ -126,16 +126,17 @@ unshard.register_autograd(_unshard_backward)
 
 
 @torch.library.custom_op("fsdp_compile::copy_to_device", mutates_args=())
-def copy_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """CPU offload: a unit's shard copied from host memory to ``device``, asynchronously from pinned memory (on the
-    current stream: what reads it is ordered after it). Always a new tensor, also where the host is ``device`` (on
-    CPU the copy stands for the transfer)."""
-    return host.to(device, non_blocking=True, copy=True)
+def copy_to_device(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """CPU offload: a unit's shard copied from host memory to ``device``, cast to ``dtype`` (the parameters'),
+    asynchronously (on the current stream: what reads it is ordered after it). Moves the narrower dtype's bytes where
+    the shard has a current host copy in it (``fsdp_compile.runtime.host_copies``). Always a new tensor (on CPU the
+    copy stands for the transfer)."""
+    return host_copies.copy_to_device(host, device, dtype)
 
 
 @copy_to_device.register_fake
-def _(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return torch.empty_like(host, device=device)
+def _(host: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty_like(host, device=device, dtype=dtype)
 
 
 @torch.library.custom_op("fsdp_compile::copy_to_host", mutates_args=())
@@ -151,13 +152,6 @@ def _(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu")
 
 
-def _copy_to_device_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-    return copy_to_host(grad), None
-
-
-copy_to_device.register_autograd(_copy_to_device_backward)
-
-
 @dataclass(frozen=True)
 class _Collectives:
     """A unit's collective settings, as ``_GatherUnit`` keeps them for its backward."""
@@ -169,6 +163,8 @@ class _Collectives:
     group_name: str
     replicas: int
     replicate_group_name: str | None
+    device: torch.device | None
+    """CPU offload: the device the shard is copied to (its gradient back from); None: not offloaded."""
 
 
 class _GatherUnit(torch.autograd.Function):
@@ -177,8 +173,10 @@ class _GatherUnit(torch.autograd.Function):
         ctx.shard_dtype = shard.dtype
         ctx.how = how
         ctx.accumulate_unsharded = accum is not None
-        if how.world_size == 1:  # replicated only (HSDP with a shard dimension of one rank)
-            return shard.to(how.param_dtype, copy=True)
+        if how.device is not None:
+            shard = copy_to_device(shard, how.device, how.param_dtype)
+        if how.world_size == 1:  # one rank: offloaded, or replicated only (HSDP with a shard dimension of one rank)
+            return shard.to(how.param_dtype, copy=how.device is None)
         return all_gather_nograd(shard.to(how.param_dtype), how.world_size, how.group_name)
 
     @staticmethod
@@ -194,7 +192,8 @@ class _GatherUnit(torch.autograd.Function):
             reduced = reduce_scatter_avg(grad.to(how.reduce_dtype), how.world_size, how.group_name)
         if how.replicate_group_name is not None:
             reduced = all_reduce_avg(reduced, how.replicate_group_name)
-        return reduced.to(ctx.shard_dtype), None, None
+        reduced = reduced.to(ctx.shard_dtype)
+        return reduced if how.device is None else copy_to_host(reduced), None, None
 
 
 def cast_all_gather_differentiable(
@@ -212,14 +211,12 @@ def cast_all_gather_differentiable(
     """All-gather one unit's flat shard, cast to ``param_dtype``. Differentiable: gradients are averaged over
     the group in ``reduce_dtype`` (by ``grad_reduction``), then over the ``replicas`` (HSDP: the group named
     ``replicate_group_name``), and reach ``shard`` in its own dtype, or, with ``accum``, reach ``accum``
-    unreduced. One rank, not replicated: no collective. ``device``: CPU offload, the shard copied there first
-    (in its own dtype, cast there: the device's cast is free, the host's is not), its gradient copied back."""
-    if device is not None:
-        shard = copy_to_device(shard, device)
-    if world_size == 1 and replicas == 1 and accum is None:
+    unreduced. One rank, not replicated: no collective. ``device``: CPU offload, the host shard copied there
+    first (``copy_to_device``), its reduced gradient copied back (``copy_to_host``)."""
+    if world_size == 1 and replicas == 1 and accum is None and device is None:
         return shard.to(param_dtype)
     how = _Collectives(
         param_dtype, reduce_dtype, grad_reduction, world_size, group_name, replicas,
-        replicate_group_name if replicas > 1 else None,
+        replicate_group_name if replicas > 1 else None, device,
     )
     return _GatherUnit.apply(shard, accum, how)

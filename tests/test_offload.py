@@ -1,5 +1,6 @@
-"""``fsdp_compile.step_in_backward``: each unit stepped as its gradient lands gives the bits of the step after
-backward (CPU offload, 2 gloo ranks, compiled and eager), and its refusals leave the model and optimizer as they were."""
+"""CPU offload beyond the parity tests (tests/test_parity.py): ``fsdp_compile.step_in_backward`` (each unit stepped
+as its gradient lands gives the bits of the step after backward; its refusals leave the model and optimizer as they
+were), and on a GPU the host copies' bf16 mirrors (``fsdp_compile.runtime.host_copies``)."""
 
 from __future__ import annotations
 
@@ -10,22 +11,23 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 import fsdp_compile
-from fsdp_compile.testing.dist import run_ranks
+from fsdp_compile.testing.dist import run_ranks, spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama
 
 STEPS = 3
 
 
-def _sharded(base: torch.nn.Module, compiler: str) -> tuple[torch.nn.Module, torch.nn.Module, torch.optim.Optimizer]:
+def _sharded(base: torch.nn.Module, compiler: str, param_dtype: torch.dtype) -> tuple[torch.nn.Module, ...]:
     model = copy.deepcopy(base)
-    fsdp_compile.shard(model, units=[Block], offload_policy=CPUOffloadPolicy())
+    mp = fsdp_compile.MixedPrecision(param_dtype=param_dtype)
+    fsdp_compile.shard(model, units=[Block], offload_policy=CPUOffloadPolicy(), mp=mp)
     run = model if compiler == "eager" else torch.compile(model, backend=fsdp_compile.backend(compiler=compiler))
     return model, run, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
 
 
-def _loss(run: torch.nn.Module, rank: int, seed: int) -> torch.Tensor:
+def _loss(run: torch.nn.Module, rank: int, seed: int, device: str = "cpu") -> torch.Tensor:
     tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (4, 9), generator=torch.Generator().manual_seed(seed))
-    local = tokens[2 * rank : 2 * rank + 2]
+    local = tokens[2 * rank : 2 * rank + 2].to(device)
     return run(local[:, :-1], local[:, 1:])
 
 
@@ -35,22 +37,24 @@ def _bits(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch
             **{f"{n}.{k}": v.clone() for n, p in named for k, v in opt.state[p].items()}}
 
 
-def _same_bits_as_the_step_after_backward(rank: int, world_size: int) -> None:
+def _same_bits_as_the_step_after_backward(
+    rank: int, world_size: int, device: str = "cpu", compilers: tuple[str, ...] = ("aot_eager", "eager"),
+    param_dtype: torch.dtype = torch.float64,
+) -> None:
     torch.manual_seed(0)
-    base = Llama(LLAMA_TESTS).double()
-    for compiler in ("aot_eager", "eager"):
-        model, run, opt = _sharded(base, compiler)
-        ref_model, ref_run, ref_opt = _sharded(base, compiler)
+    base = Llama(LLAMA_TESTS).double().to(device)
+    for compiler in compilers:
+        (model, run, opt), (ref_model, ref_run, ref_opt) = (_sharded(base, compiler, param_dtype) for _ in range(2))
         for step in range(STEPS):
             micro = 2 if step == 1 else 1  # step 1: a micro-batch accumulated before the one stepped in backward
             for k in range(micro - 1):
-                _loss(run, rank, 10 * step + k).backward()
-                _loss(ref_run, rank, 10 * step + k).backward()
+                _loss(run, rank, 10 * step + k, device).backward()
+                _loss(ref_run, rank, 10 * step + k, device).backward()
             with fsdp_compile.step_in_backward(model, opt) as stepper:
-                _loss(run, rank, 10 * step + micro - 1).backward()
+                _loss(run, rank, 10 * step + micro - 1, device).backward()
             assert len(stepper.stepped) == len(fsdp_compile.sharded_units(model))
             assert all(p.grad is None for p in model.parameters()), "the step in backward consumes the gradients"
-            _loss(ref_run, rank, 10 * step + micro - 1).backward()
+            _loss(ref_run, rank, 10 * step + micro - 1, device).backward()
             ref_opt.step()
             ref_opt.zero_grad()
             opt.zero_grad()
@@ -58,7 +62,8 @@ def _same_bits_as_the_step_after_backward(rank: int, world_size: int) -> None:
             assert list(got) == list(want)
             differ = [k for k in want if not torch.equal(got[k], want[k])]
             assert not differ, f"{compiler} step {step}: not bitwise the step after backward: {differ[:3]}"
-    _refusals(model, run, opt, rank)
+    if device == "cpu":
+        _refusals(model, run, opt, rank)
 
 
 def _refusals(model: torch.nn.Module, run: torch.nn.Module, opt: torch.optim.Optimizer, rank: int) -> None:
@@ -92,3 +97,41 @@ def _refusals(model: torch.nn.Module, run: torch.nn.Module, opt: torch.optim.Opt
 
 def test_step_in_backward_is_bitwise_the_step_after_backward_and_refuses_clearly() -> None:
     run_ranks(_same_bits_as_the_step_after_backward, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_step_in_backward_on_one_gpu_is_bitwise_the_step_after_backward() -> None:
+    """On a GPU the gradients' copies to the host are asynchronous (a side stream): each unit's step waits for its
+    own; Inductor and eager, bf16 compute (the shards' bf16 mirrors refreshed by the step in backward)."""
+    spawn_ranks(_same_bits_as_the_step_after_backward, 1, "cuda", ("inductor", "eager"), torch.bfloat16,
+                backend="nccl")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_mirror_is_used_only_while_it_holds_the_shards_values() -> None:
+    """A copy to the GPU in bf16 moves the shard's bf16 mirror once its cast is done, and the shard's own bytes
+    (cast on the GPU) after any write: in place (the version counter) or through ``.data`` (the sampled values)."""
+    from torch._dynamo.utils import counters
+
+    from fsdp_compile.runtime import host_copies
+
+    host = torch.randn(1 << 20, pin_memory=True)
+    device = torch.device("cuda")
+
+    def copied(expect_mirror: bool) -> None:
+        before = counters["fsdp_compile"]["offload_copies_from_mirror"]
+        out = host_copies.copy_to_device(host, device, torch.bfloat16)
+        assert torch.equal(out.cpu(), host.to(torch.bfloat16))
+        assert counters["fsdp_compile"]["offload_copies_from_mirror"] - before == expect_mirror
+        host_copies._mirrors[host].cast.result()  # the host thread's cast, done
+
+    copied(False)  # the first copy starts the cast
+    copied(True)
+    host.mul_(2)  # in place: a new version
+    copied(False)
+    copied(True)
+    host.data.add_(1)  # through .data: no new version, every sampled value differs
+    copied(False)
+    copied(True)
