@@ -13,6 +13,7 @@ import collections
 import functools
 import json
 import logging
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -45,6 +46,7 @@ from fsdp_compile.passes.plan_memory import PlanMemory
 from fsdp_compile.passes.reshard_after_forward import ReshardAfterForward
 from fsdp_compile.passes.schedule_overlap import ScheduleOverlap
 from fsdp_compile.passes.write_gradients_in_place import WriteGradientsInPlace
+from fsdp_compile.runtime import host_copies
 from fsdp_compile.runtime.copy_engine import reserve_workspace, workspace_nbytes
 
 __all__ = ["backend", "fsdp_compile_backend"]
@@ -117,7 +119,9 @@ def _user_settings(config: BackendConfig, mode: str | None, options: dict[str, A
     return settings
 
 
-def _inductor_inner_compile(settings: dict[str, Any], dump: Any, watches: set[ModelWatch]) -> Callable[..., Any]:
+def _inductor_inner_compile(
+    settings: dict[str, Any], dump: Any, watches: set[ModelWatch], after_backward: Callable[[], None]
+) -> Callable[..., Any]:
     """compile_fx_inner for both graphs. The backward graph is compiled lazily, at the first backward,
     outside ``_compile``'s settings and dump folder, so they are patched in again here. Both are watched (their
     exceptions reach the models' failure channels)."""
@@ -127,13 +131,16 @@ def _inductor_inner_compile(settings: dict[str, Any], dump: Any, watches: set[Mo
         debug.record("backward" if backward else "forward", gm)
         with inductor_config.patch(settings), _dump.dumping(dump):  # backward: compiled at its first call
             compiled = _internals.compile_fx_inner(gm, example_inputs, **kwargs)
-        return WatchedGraph(compiled, watches, "backward" if backward else "forward")
+        if backward:
+            return WatchedGraph(compiled, watches, "backward", after_backward)
+        return WatchedGraph(compiled, watches, "forward")
 
     return inner_compile
 
 
 def _eager_compiler(
-    stage: debug.Stage, config: BackendConfig, post_grad: PassPipeline, watches: set[ModelWatch]
+    stage: debug.Stage, config: BackendConfig, post_grad: PassPipeline, watches: set[ModelWatch],
+    after: Callable[[], None] | None = None,
 ) -> Callable:
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         debug.record(stage, gm)
@@ -141,9 +148,25 @@ def _eager_compiler(
             for body in dict.fromkeys(getattr(gm, call.args[0].target) for call in region_calls(gm)):
                 post_grad(body.graph)  # as Inductor does: the bodies first
             post_grad(gm.graph)
-        return WatchedGraph(_internals.make_boxed_func(gm.forward), watches, stage)
+        return WatchedGraph(_internals.make_boxed_func(gm.forward), watches, stage, after)
 
     return compiler
+
+
+def _after_backward(states: list[UnitState]) -> Callable[[], None]:
+    """What a backward graph does once it has run: wait for its gradients' copies to the host if an offloaded
+    unit it gathers is gathered by another graph too (a graph break inside the unit): autograd adds the graphs'
+    gradients of the unit on the host, which must not read a copy still in flight. Otherwise the copies stay
+    in flight past the graph (fsdp_compile.runtime.host_copies)."""
+    offloaded = weakref.WeakSet(state for state in states if state.offload_to is not None)
+    for state in offloaded:
+        state.compiled_graphs += 1
+
+    def after() -> None:
+        if any(state.compiled_graphs > 1 for state in offloaded):
+            host_copies.wait_for_all()
+
+    return after
 
 
 def _partition_resharded(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
@@ -311,18 +334,19 @@ def _compile_dumped(
         )
     if routes.all_gather == "copy_engine" and not config.memory_plan:  # else: only what the plan leaves unslotted
         _reserve_workspaces(gm, plan)
+    after_backward = _after_backward(states)
     if config.compiler == "aot_eager":
         with _internals.body_schemas_once():
             return _internals.aot_autograd(
                 fw_compiler=_eager_compiler("forward", config, post_grad, watches),
-                bw_compiler=_eager_compiler("backward", config, post_grad, watches),
+                bw_compiler=_eager_compiler("backward", config, post_grad, watches, after_backward),
                 partition_fn=_partition_resharded,
                 keep_inference_input_mutations=True,
             )(gm, example_inputs)
     # The passes are also patched around compile_fx so that they are part of the cache keys (FX graph and
     # AOTAutograd caches): a graph compiled with other options is never reused.
     with inductor_config.patch(settings), _internals.body_schemas_once():
-        inner_compile = _inductor_inner_compile(settings, config.dump, watches)
+        inner_compile = _inductor_inner_compile(settings, config.dump, watches, after_backward)
         return _internals.compile_fx(gm, example_inputs, inner_compile=inner_compile)
 
 

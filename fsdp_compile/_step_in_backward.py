@@ -41,7 +41,7 @@ class Stepper:
         """The units stepped inside the ``with`` block, in order."""
 
     def __enter__(self) -> Stepper:
-        busy = [u for u in self._units if u.stepper is not None]
+        busy = [u for u in self._units if u.on_gradient is not None]
         if busy:
             raise RuntimeError(f"step_in_backward is already active on this model (unit {unit_label(busy[0].layout.name)!r})")
         syncing_off = [u for u in self._units if not u.requires_gradient_sync and u.trainable]
@@ -52,7 +52,7 @@ class Stepper:
                 "it and wrap only the last micro-batch's backward, after set_requires_gradient_sync(model, True)"
             )
         for unit in self._units:
-            unit.stepper = self
+            unit.on_gradient = self.landed
         self._thread = threading.Thread(target=self._run, name="fsdp_compile step_in_backward", daemon=True)
         self._thread.start()
         return self
@@ -97,7 +97,7 @@ class Stepper:
         assert self._thread is not None
         self._thread.join()
         for unit in self._units:
-            unit.stepper = None
+            unit.on_gradient = None
         if kind is not None:
             return
         if self._error is not None:
@@ -112,7 +112,7 @@ class Stepper:
 
 def refuse_inside_step_in_backward(units: list[UnitState], call: str, why: str) -> None:
     """Raise if ``call``, which cannot be done while units are stepped in backward, comes inside step_in_backward."""
-    if any(unit.stepper is not None for unit in units):
+    if any(unit.on_gradient is not None for unit in units):
         raise RuntimeError(f"{call} inside fsdp_compile.step_in_backward: {why}")
 
 

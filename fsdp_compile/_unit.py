@@ -33,7 +33,6 @@ from fsdp_compile.runtime.ops import (
 )
 
 if TYPE_CHECKING:
-    from fsdp_compile._step_in_backward import Stepper
     from fsdp_compile._watch import ModelWatch
 
 __all__ = [
@@ -129,8 +128,11 @@ class UnitState:
         self.outside: Callable[[ParamSlot], torch.Tensor] | None = None
         """Inside ``init_parameters`` or ``summon_full_params``: what reading a parameter gives (its full value)."""
         self.watch = watch
-        self.stepper: Stepper | None = None
-        """Inside ``fsdp_compile.step_in_backward``: what steps the unit's parameters once its gradient lands."""
+        self.compiled_graphs = 0
+        """CPU offload: the compiled graphs that gather the unit (fsdp_compile._backend._after_backward)."""
+        self.on_gradient: Callable[[UnitState, torch.Tensor], None] | None = None
+        """Inside ``fsdp_compile.step_in_backward``: called with the unit and its gradient once it has landed (it steps
+        the unit's parameters)."""
         """The model's :class:`~fsdp_compile._watch.ModelWatch` (whether its forward runs; its backward's progress)."""
         if self.trainable:
             self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
@@ -327,8 +329,8 @@ class UnitState:
             else:
                 host_copies.wait_for(grad)
                 piece.param.grad.add_(grad[piece.lo : piece.hi])
-        if self.stepper is not None:
-            self.stepper.landed(self, grad)
+        if self.on_gradient is not None:
+            self.on_gradient(self, grad)
 
 
 def register_units(module: nn.Module, states: list[UnitState]) -> None:

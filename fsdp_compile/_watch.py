@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any
 
@@ -173,10 +173,14 @@ class WatchedGraph:
     larger compiled function. Called as AOTAutograd calls compiled graphs (boxed: one list of arguments); anything
     else is the wrapped graph's."""
 
-    def __init__(self, compiled: Any, watches: Iterable[ModelWatch], phase: str) -> None:
+    def __init__(
+        self, compiled: Any, watches: Iterable[ModelWatch], phase: str, after: Callable[[], None] | None = None
+    ) -> None:
         self.__wrapped__ = compiled
         self._watches = weakref.WeakSet(watches)
         self._phase = phase
+        self._after = after
+        """Called when the graph has run (the backward's wait for its copies to the host, where needed)."""
         self._boxed_call = True  # an instance's: AOTAutograd's wrappers copy the __dict__ (functools.wraps)
 
     def __call__(self, args: list[Any]) -> Any:
@@ -187,11 +191,14 @@ class WatchedGraph:
                 watch.settle()
         compiled = self.__wrapped__
         try:
-            return compiled(args) if getattr(compiled, "_boxed_call", False) else compiled(*args)
+            out = compiled(args) if getattr(compiled, "_boxed_call", False) else compiled(*args)
         except BaseException as error:
             for watch in list(self._watches):
                 watch.failed(error, self._phase)
             raise
+        if self._after is not None:
+            self._after()
+        return out
 
     def __getattr__(self, name: str) -> Any:
         if name == "__wrapped__":  # not set yet

@@ -92,7 +92,7 @@ def _refusals(model: torch.nn.Module, run: torch.nn.Module, opt: torch.optim.Opt
         fsdp_compile.step_in_backward(model, torch.optim.LBFGS(model.parameters()))
     after = _bits(model, opt)
     assert all(torch.equal(before[k], after[k]) for k in before), "a refusal changed the model or its optimizer"
-    assert all(u.stepper is None for u in fsdp_compile.sharded_units(model))
+    assert all(u.on_gradient is None for u in fsdp_compile.sharded_units(model))
 
 
 def test_step_in_backward_is_bitwise_the_step_after_backward_and_refuses_clearly() -> None:

@@ -19,12 +19,13 @@ an earlier one); the backward pass that made the copies waits for all of them be
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 import concurrent.futures
-import weakref
 from dataclasses import dataclass
 
 from fsdp_compile import _internals
+from fsdp_compile._internals import failures
 
 __all__ = ["copy_to_device", "copy_to_host", "is_pending", "refresh_mirror", "wait_for", "wait_for_all"]
 
@@ -57,7 +58,7 @@ class _Mirror:
     """Recorded after the last copy that read ``tensor`` (a new cast waits for it)."""
 
 
-_mirrors: weakref.WeakKeyDictionary[torch.Tensor, _Mirror] = weakref.WeakKeyDictionary()
+_mirrors: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """Per offloaded shard (the host tensor a graph or eager step passes): its mirror."""
 _caster: list[concurrent.futures.ThreadPoolExecutor] = []
 """The host thread that casts shards into their mirrors (made at the first cast)."""
@@ -139,7 +140,7 @@ def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
         wait_for(host)
     elif _queued_for[0] != task:
         _queued_for[0] = task
-        _internals.queue_backward_callback(wait_for_all)
+        failures.queue_backward_callback(wait_for_all)
     return host
 
 
