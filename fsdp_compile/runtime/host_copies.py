@@ -22,12 +22,15 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 import concurrent.futures
+import itertools
 from dataclasses import dataclass
 
 from fsdp_compile import _internals
 from fsdp_compile._internals import failures
 
-__all__ = ["copy_to_device", "copy_to_host", "is_pending", "refresh_mirror", "wait_for", "wait_for_all"]
+__all__ = [
+    "copy_to_device", "copy_to_host", "is_pending", "issue_order", "refresh_mirror", "wait_for", "wait_for_all"
+]
 
 SAMPLES = 1024
 """Elements of a shard compared with its mirror at each use (evenly spaced): a cheap check for writes the version
@@ -35,8 +38,10 @@ counter does not count."""
 
 _streams: dict[int, torch.cuda.Stream] = {}
 """Per device: the stream the copies to the host run on."""
-_pending: dict[int, torch.cuda.Event] = {}
-"""The host storage (its address) of each copy not waited for yet, and the event its copy recorded."""
+_pending: dict[int, tuple[int, torch.cuda.Event]] = {}
+"""The host storage (its address) of each copy not waited for yet: the copy's place in issue order (the side stream
+finishes them in that order) and the event it recorded."""
+_issued = itertools.count()
 _queued_for: list[int] = [-1]
 """The backward pass (graph task) whose end waits for every copy (queued once per backward)."""
 
@@ -134,7 +139,7 @@ def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
         done = torch.cuda.Event()
         done.record(side)
     source.record_stream(side)  # the allocator reuses the clone only after the copy
-    _pending[_key(host)] = done
+    _pending[_key(host)] = (next(_issued), done)
     task = _internals.backward_task()
     if task == -1:  # not inside a backward pass: nothing would wait for it
         wait_for(host)
@@ -149,6 +154,12 @@ def is_pending(tensor: torch.Tensor) -> bool:
     return _key(tensor) in _pending
 
 
+def issue_order(tensor: torch.Tensor) -> int:
+    """Where ``tensor``'s copy comes in the order the copies finish (-1: none pending, ready now)."""
+    entry = _pending.get(_key(tensor))
+    return -1 if entry is None else entry[0]
+
+
 def wait_for(tensor: torch.Tensor) -> None:
     """Block until the copy that made ``tensor`` (or the tensor it is a view of) is done; at once if none is
     pending."""
@@ -156,9 +167,9 @@ def wait_for(tensor: torch.Tensor) -> None:
 
 
 def wait_for_key(key: int) -> None:
-    done = _pending.pop(key, None)  # atomic: the step in backward's thread waits too
-    if done is not None:
-        done.synchronize()
+    entry = _pending.pop(key, None)  # atomic: the step in backward's thread waits too
+    if entry is not None:
+        entry[1].synchronize()
 
 
 def wait_for_all() -> None:
