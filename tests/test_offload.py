@@ -5,14 +5,17 @@ were), and on a GPU the host copies' bf16 mirrors (``fsdp_compile.runtime.host_c
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 import fsdp_compile
 from fsdp_compile.testing.dist import run_ranks, spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama
+from fsdp_compile.testing.reference import assert_bitwise, reference_step, rel_error
 
 STEPS = 3
 
@@ -25,9 +28,12 @@ def _sharded(base: torch.nn.Module, compiler: str, param_dtype: torch.dtype) -> 
     return model, run, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
 
 
+def _tokens(seed: int) -> torch.Tensor:
+    return torch.randint(0, LLAMA_TESTS.vocab_size, (4, 9), generator=torch.Generator().manual_seed(seed))
+
+
 def _loss(run: torch.nn.Module, rank: int, seed: int, device: str = "cpu") -> torch.Tensor:
-    tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (4, 9), generator=torch.Generator().manual_seed(seed))
-    local = tokens[2 * rank : 2 * rank + 2].to(device)
+    local = _tokens(seed)[2 * rank : 2 * rank + 2].to(device)
     return run(local[:, :-1], local[:, 1:])
 
 
@@ -93,6 +99,54 @@ def _refusals(model: torch.nn.Module, run: torch.nn.Module, opt: torch.optim.Opt
     after = _bits(model, opt)
     assert all(torch.equal(before[k], after[k]) for k in before), "a refusal changed the model or its optimizer"
     assert all(u.on_gradient is None for u in fsdp_compile.sharded_units(model))
+
+
+def _half_frozen() -> Llama:
+    model = Llama(LLAMA_TESTS).double()
+    for layer in model.layers[: LLAMA_TESTS.n_layers // 2]:
+        layer.requires_grad_(False)
+    return model
+
+
+def _with_the_rest(rank: int, world_size: int, folder: str) -> None:
+    """Offloaded, compiled: frozen units (half the blocks) stay bitwise, clip_grad_norm_ gives the unsharded model's
+    norm and steps, a DCP checkpoint loads into a model built on the meta device whose shards ``to_empty`` put on
+    the host."""
+    torch.manual_seed(0)
+    ref = _half_frozen()
+    model = copy.deepcopy(ref)
+    fsdp_compile.shard(model, units=[Block], offload_policy=CPUOffloadPolicy())
+    assert sum(not u.trainable for u in fsdp_compile.sharded_units(model)) == LLAMA_TESTS.n_layers // 2
+    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))
+    opt, ref_opt = (torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-2) for m in (model, ref))
+    frozen = {n: p.detach().clone() for n, p in ref.named_parameters() if not p.requires_grad}
+    for step in range(2):
+        _loss(run, rank, step).backward()
+        reference_step(ref, _tokens(step), torch.float64, world_size)
+        norm = fsdp_compile.clip_grad_norm_(model, 0.5)
+        want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+        assert rel_error(norm, want) < 1e-10, (norm, want)
+        for optimizer in (opt, ref_opt):
+            optimizer.step()
+            optimizer.zero_grad()
+    trained = fsdp_compile.full_state_dict(model)
+    assert max(rel_error(trained[n], p) for n, p in ref.state_dict().items()) < 1e-10
+    assert_bitwise({n: trained[n] for n in frozen}, frozen)
+    dcp.save(model.state_dict(), checkpoint_id=folder)
+    with torch.device("meta"):
+        fresh = _half_frozen()
+    fsdp_compile.shard(fresh, units=[Block], offload_policy=CPUOffloadPolicy())
+    fresh.to_empty(device="cpu")
+    units = fsdp_compile.sharded_units(fresh)
+    assert all(u.flat.device.type == "cpu" and u.offload_to == torch.device("cpu") for u in units)
+    state = fresh.state_dict()
+    dcp.load(state, checkpoint_id=folder)
+    fresh.load_state_dict(state)
+    assert_bitwise(fsdp_compile.full_state_dict(fresh), trained)
+
+
+def test_offload_with_frozen_units_clipping_dcp_and_meta_device_init(tmp_path: Path) -> None:
+    run_ranks(_with_the_rest, 2, str(tmp_path))
 
 
 def test_step_in_backward_is_bitwise_the_step_after_backward_and_refuses_clearly() -> None:
