@@ -155,7 +155,6 @@ def _timed_steps(steps: _Steps, result: Result, settings: Settings) -> dict[str,
             if i == settings.warmup:
                 if steps.device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats(steps.device)
-                    getattr(torch.cuda.memory, "reset_peak_host_memory_stats", lambda: None)()
                 gc.callbacks.append(collections)
                 counting.callback(gc.callbacks.remove, collections)
             _sync(steps.device)
@@ -278,15 +277,11 @@ def _release(device: torch.device) -> int:
 
 
 def _host_memory_gib() -> dict[str, float]:
-    """This process's resident host memory now, and the pinned allocator's peak (CPU offload's shards, gradients
-    and copies) since its last reset."""
+    """This process's resident host memory after the timed steps (pinned memory included; what earlier systems of
+    the run left resident too)."""
     with open("/proc/self/statm") as statm:
         rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    out = {"host_rss_gib": rss / 2**30}
-    stats = getattr(torch.cuda.memory, "host_memory_stats", None)
-    if stats is not None and torch.cuda.is_available():
-        out["host_pinned_peak_gib"] = stats().get("active_bytes.peak", 0) / 2**30
-    return out
+    return {"host_rss_gib": rss / 2**30}
 
 
 def _sharded_optimizer_ms(params: list[nn.Parameter], reps: int, device: torch.device) -> float:
