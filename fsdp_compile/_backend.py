@@ -154,16 +154,19 @@ def _eager_compiler(
 
 
 def _after_backward(states: list[UnitState]) -> Callable[[], None]:
-    """What a backward graph does once it has run: wait for its gradients' copies to the host if an offloaded
-    unit it gathers is gathered by another graph too (a graph break inside the unit): autograd adds the graphs'
-    gradients of the unit on the host, which must not read a copy still in flight. Otherwise the copies stay
-    in flight past the graph (fsdp_compile.runtime.host_copies)."""
+    """What a backward graph does once it has run: wait for the gradients' copies to the host if an offloaded unit
+    it gathers had a gradient from a graph earlier in this backward pass (a graph break inside the unit, a unit
+    called twice): autograd now adds the two on the host, which must not read a copy still in flight. Otherwise
+    the copies stay in flight past the graph (fsdp_compile.runtime.host_copies)."""
     offloaded = weakref.WeakSet(state for state in states if state.offload_to is not None)
-    for state in offloaded:
-        state.compiled_graphs += 1
 
     def after() -> None:
-        if any(state.compiled_graphs > 1 for state in offloaded):
+        task = _internals.backward_task()
+        again = False
+        for state in offloaded:
+            again |= state.backward_pass == task
+            state.backward_pass = task
+        if again:
             host_copies.wait_for_all()
 
     return after

@@ -128,8 +128,9 @@ class UnitState:
         self.outside: Callable[[ParamSlot], torch.Tensor] | None = None
         """Inside ``init_parameters`` or ``summon_full_params``: what reading a parameter gives (its full value)."""
         self.watch = watch
-        self.compiled_graphs = 0
-        """CPU offload: the compiled graphs that gather the unit (fsdp_compile._backend._after_backward)."""
+        self.backward_pass = -1
+        """CPU offload: the backward pass in which a compiled graph last gave the unit a gradient
+        (``fsdp_compile._backend._after_backward``)."""
         self.on_gradient: Callable[[UnitState, torch.Tensor], None] | None = None
         """Inside ``fsdp_compile.step_in_backward``: called with the unit and its gradient once it has landed (it steps
         the unit's parameters)."""

@@ -383,10 +383,14 @@ def test_parity_world_size_one() -> None:
                          ids=["fp64", "bf16-fp32reduce"])
 def test_parity_cpu_offload_on_one_gpu(dtype: torch.dtype, param_dtype: torch.dtype) -> None:
     """CPU offload on a GPU, Inductor: pinned host shards copied to the GPU and the gradients back, the optimizer
-    stepping on the host, against the unsharded model on the GPU (one rank: the copies are the whole gather). bf16:
+    stepping on the host, against the unsharded model on the GPU (one rank: the copies are the whole gather). fp64:
+    a graph break inside every unit (autograd adds each unit's two gradients on the host: after their copies). bf16:
     three micro-batches accumulated on the device, the later ones' copies from the host's bf16 mirrors."""
-    accumulated = {"micro_batches": 3, "gradient_sync": False} if param_dtype == torch.bfloat16 else {}
-    case = Case("inductor", dtype, param_dtype, device="cuda", steps=3, offload=True, **accumulated)
+    if param_dtype == torch.bfloat16:
+        options: dict = {"micro_batches": 3, "gradient_sync": False}
+    else:
+        options = {"graph_break": True}
+    case = Case("inductor", dtype, param_dtype, device="cuda", steps=3, offload=True, **options)
     spawn_ranks(_train_and_compare, 1, case, backend="nccl")
 
 
