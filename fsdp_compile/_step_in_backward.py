@@ -9,8 +9,6 @@ gradients are consumed (set to None) as FSDP2's and torch's optimizer-in-backwar
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import logging
 import queue
 import threading
@@ -64,25 +62,8 @@ class Stepper:
         self._queue.put((unit, grad))
 
     def _run(self) -> None:
-        """Step the landed units, first the one whose copy to the host finishes first (autograd hands a compiled
-        backward's gradients over in its outputs' order, not in the order their copies finish)."""
-        landed: list[tuple[int, int, UnitState, torch.Tensor]] = []
-        arrival = itertools.count()  # ties (copies done already) in the order they landed
-        done = False
-        while not done or landed:
-            try:
-                item = self._queue.get(block=not landed)
-                while True:
-                    if item is _DONE:
-                        done = True
-                    else:
-                        heapq.heappush(landed, (host_copies.issue_order(item[1]), next(arrival), *item))
-                    item = self._queue.get_nowait()
-            except queue.Empty:
-                pass
-            if not landed:
-                continue
-            _, _, unit, grad = heapq.heappop(landed)
+        while (item := self._queue.get()) is not _DONE:
+            unit, grad = item
             if self._error is not None:
                 continue
             try:

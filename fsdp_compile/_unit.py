@@ -135,8 +135,7 @@ class UnitState:
         """Inside ``fsdp_compile.step_in_backward``: called with the unit and its gradient once it has landed (it steps
         the unit's parameters)."""
         """The model's :class:`~fsdp_compile._watch.ModelWatch` (whether its forward runs; its backward's progress)."""
-        if self.trainable:
-            self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
+        self._hook_gradients()
 
     def __repr__(self) -> str:
         name = unit_label(self.layout.name)
@@ -248,8 +247,7 @@ class UnitState:
         self.flat = new.zero_().requires_grad_(old.requires_grad)  # the padding zero, as shard()'s
         _internals.mark_static(self.flat)
         self.pieces = cut_pieces(self.flat, self.layout, self.rank, [p.param.requires_grad for p in replaced])
-        if self.trainable:
-            self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
+        self._hook_gradients()
         _units_by_shard.pop(id(old), None)
         _units_by_shard[id(self.flat)] = self
         return replaced
@@ -305,19 +303,22 @@ class UnitState:
         reduced = reduced.to(self.flat.dtype)
         self._deliver(reduced if self.offload_to is None else copy_to_host(reduced))
 
+    def _hook_gradients(self) -> None:
+        """The flat shard's gradient hooks: its pieces get their slices once it has accumulated; offloaded, autograd
+        waits first for the copy to the host it got (autograd keeps or copies it: a host read)."""
+        if not self.trainable:
+            return
+        if self.offload_to is not None:
+            self.flat.register_hook(_landed)
+        self.flat.register_post_accumulate_grad_hook(weak_method(self.distribute_grad))
+
     def distribute_grad(self, flat: torch.Tensor) -> None:
         """Post-accumulate hook of the flat shard: hand each piece its slice, then clear ``flat.grad``."""
         self.watch.backward_ran()
         grad = flat.grad
         flat.grad = None
-        if grad is None:
-            return
-        if self.offload_to is not None and self.offload_to.type == "cuda" and not host_copies.is_pending(grad):
-            raise AssertionError(  # autograd copied it (a host read) instead of taking it: its copy may not be done
-                f"unit {unit_label(self.layout.name)!r}: the gradient reached the host shard copied, not as copied "
-                "from the device"
-            )
-        self._deliver(grad)
+        if grad is not None:
+            self._deliver(grad)
 
     def _deliver(self, grad: torch.Tensor) -> None:
         """Hand each trainable piece its slice of ``grad`` (added to the piece's gradient if it has one); then, inside
@@ -332,6 +333,11 @@ class UnitState:
                 piece.param.grad.add_(grad[piece.lo : piece.hi])
         if self.on_gradient is not None:
             self.on_gradient(self, grad)
+
+
+def _landed(grad: torch.Tensor) -> None:
+    """Gradient hook of an offloaded flat shard: its copy to the host done."""
+    host_copies.wait_for(grad)
 
 
 def register_units(module: nn.Module, states: list[UnitState]) -> None:

@@ -8,12 +8,13 @@ used while the shard's version counter (which every in-place write bumps: the op
 sample of its values still match; a write through ``.data`` that changes none of the sampled elements is the one
 thing it cannot see (don't write offloaded shards through ``.data``).
 
-To the host (:func:`copy_to_host`): a GPU gradient is copied to pinned host memory on a side stream of its own, so the copy overlaps the rest of
-backward's compute, and :func:`copy_to_host` returns at once: the host tensor is *pending* until its copy is done.
-Whoever reads one first waits for it (:func:`wait_for`: the step in backward, the accumulation of a gradient into
-an earlier one); the backward pass that made the copies waits for all of them before it returns
-(:func:`wait_for_all`, queued as the autograd engine's end-of-backward callback), so what ``backward()`` leaves in
-``.grad`` is ready, as with a blocking copy. On CPU (the copy stands for the transfer) it is a plain copy.
+To the host (:func:`copy_to_host`): a GPU gradient is copied to pinned host memory on a side stream of its own, so
+the copy overlaps the rest of backward's compute, and :func:`copy_to_host` returns at once: the host tensor is
+*pending* until its copy is done. Whoever reads one first waits for it (:func:`wait_for`: the flat shard's gradient
+hook before autograd accumulates it, the step in backward); a backward graph after which autograd adds two of them
+waits for all (``fsdp_compile._backend``); the backward pass that made the copies waits for all of them before it
+returns (:func:`wait_for_all`, queued as the autograd engine's end-of-backward callback). On CPU (the copy stands for
+the transfer) it is a plain copy.
 """
 
 from __future__ import annotations
@@ -22,15 +23,12 @@ import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
 import concurrent.futures
-import itertools
 from dataclasses import dataclass
 
 from fsdp_compile import _internals
 from fsdp_compile._internals import failures
 
-__all__ = [
-    "copy_to_device", "copy_to_host", "is_pending", "issue_order", "refresh_mirror", "wait_for", "wait_for_all"
-]
+__all__ = ["copy_to_device", "copy_to_host", "refresh_mirror", "wait_for", "wait_for_all"]
 
 SAMPLES = 1024
 """Elements of a shard compared with its mirror at each use (evenly spaced): a cheap check for writes the version
@@ -38,10 +36,8 @@ counter does not count."""
 
 _streams: dict[int, torch.cuda.Stream] = {}
 """Per device: the stream the copies to the host run on."""
-_pending: dict[int, tuple[int, torch.cuda.Event]] = {}
-"""The host storage (its address) of each copy not waited for yet: the copy's place in issue order (the side stream
-finishes them in that order) and the event it recorded."""
-_issued = itertools.count()
+_pending: dict[int, torch.cuda.Event] = {}
+"""The host storage (its address) of each copy not waited for yet, and the event its copy recorded."""
 _queued_for: list[int] = [-1]
 """The backward pass (graph task) whose end waits for every copy (queued once per backward)."""
 
@@ -139,7 +135,7 @@ def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
         done = torch.cuda.Event()
         done.record(side)
     source.record_stream(side)  # the allocator reuses the clone only after the copy
-    _pending[_key(host)] = (next(_issued), done)
+    _pending[_key(host)] = done
     task = _internals.backward_task()
     if task == -1:  # not inside a backward pass: nothing would wait for it
         wait_for(host)
@@ -149,17 +145,6 @@ def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def is_pending(tensor: torch.Tensor) -> bool:
-    """Whether ``tensor`` (or a view of it) is a host copy not waited for yet."""
-    return _key(tensor) in _pending
-
-
-def issue_order(tensor: torch.Tensor) -> int:
-    """Where ``tensor``'s copy comes in the order the copies finish (-1: none pending, ready now)."""
-    entry = _pending.get(_key(tensor))
-    return -1 if entry is None else entry[0]
-
-
 def wait_for(tensor: torch.Tensor) -> None:
     """Block until the copy that made ``tensor`` (or the tensor it is a view of) is done; at once if none is
     pending."""
@@ -167,9 +152,9 @@ def wait_for(tensor: torch.Tensor) -> None:
 
 
 def wait_for_key(key: int) -> None:
-    entry = _pending.pop(key, None)  # atomic: the step in backward's thread waits too
-    if entry is not None:
-        entry[1].synchronize()
+    done = _pending.pop(key, None)  # atomic: the step in backward's thread waits too
+    if done is not None:
+        done.synchronize()
 
 
 def wait_for_all() -> None:
