@@ -335,9 +335,10 @@ class UnitState:
             self.on_gradient(self, grad)
 
 
-def _landed(grad: torch.Tensor) -> None:
-    """Gradient hook of an offloaded flat shard: its copy to the host done."""
-    host_copies.wait_for(grad)
+def _landed(grad: torch.Tensor | None) -> None:
+    """Gradient hook of an offloaded flat shard: its copy to the host done (None: a graph gave it none)."""
+    if grad is not None:
+        host_copies.wait_for(grad)
 
 
 def register_units(module: nn.Module, states: list[UnitState]) -> None:
