@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 import fsdp_compile
 from fsdp_compile.testing import faults
@@ -40,10 +41,11 @@ def _batch(step: int, rank: int) -> torch.Tensor:
     return x.cuda() if dist.get_backend() == "nccl" else x
 
 
-def _train(rank: int, world_size: int, compiler: str, fault: Fault) -> None:
+def _train(rank: int, world_size: int, compiler: str, fault: Fault, offload: bool = False) -> None:
     """A training loop that skips a bad batch: it catches ``ValueError`` (and an out-of-memory error: a long batch) and
-    goes on with the next step."""
-    model = fsdp_compile.shard(_model().to(_batch(0, 0).device), units=[FaultyBlock])
+    goes on with the next step. ``offload``: the shards in host memory (CPU offload)."""
+    policy = CPUOffloadPolicy() if offload else None
+    model = fsdp_compile.shard(_model().to(_batch(0, 0).device), units=[FaultyBlock], offload_policy=policy)
     run = model if compiler == "eager" else torch.compile(model, backend=fsdp_compile.backend(compiler=compiler))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     faults.arm(fault)
@@ -80,16 +82,19 @@ def _show(outcomes: dict[int, Outcome]) -> None:
 
 
 # Each fault eager and compiled: Inductor's generated code raising, the exception's case; a compiled graph raising an
-# out-of-memory error on 3 ranks, aot_eager's (the failure is caught around the compiled graph, whoever compiled it).
-FAULTS = [(2, "exception", "eager"), (2, "exception", "inductor"), (3, "oom", "eager"), (3, "oom", "aot_eager")]
+# out-of-memory error on 3 ranks, aot_eager's (the failure is caught around the compiled graph, whoever compiled it),
+# with CPU offload (host copies in flight when it strikes).
+FAULTS = [(2, "exception", "eager", False), (2, "exception", "inductor", False), (3, "oom", "eager", False),
+          (3, "oom", "aot_eager", True)]
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-@pytest.mark.parametrize("world_size, kind, compiler", FAULTS)
+@pytest.mark.parametrize("world_size, kind, compiler, offload", FAULTS,
+                         ids=["2-exception-eager", "2-exception-inductor", "3-oom-eager", "3-oom-aot_eager-offload"])
 def test_an_exception_on_one_rank_makes_every_rank_raise_within_seconds_naming_it(
-    world_size: int, kind: str, compiler: str, phase: str
+    world_size: int, kind: str, compiler: str, offload: bool, phase: str
 ) -> None:
-    outcomes = run_faulty(_train, world_size, compiler, Fault(rank=1, step=2, phase=phase, kind=kind))
+    outcomes = run_faulty(_train, world_size, compiler, Fault(rank=1, step=2, phase=phase, kind=kind), offload)
     _show(outcomes)
     error = {"exception": "ValueError: injected: a bad batch", "oom": "OutOfMemoryError: injected: out of memory"}[kind]
     for rank, outcome in outcomes.items():
@@ -105,9 +110,12 @@ def test_an_exception_on_one_rank_makes_every_rank_raise_within_seconds_naming_i
 
 
 @pytest.mark.parametrize("phase", ["forward", "backward"])
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
-def test_the_same_bad_batch_on_every_rank_is_skipped_and_training_goes_on(compiler: str, phase: str) -> None:
-    outcomes = run_faulty(_train, 2, compiler, Fault(rank=None, step=2, phase=phase))
+@pytest.mark.parametrize("compiler, offload", [("eager", False), ("aot_eager", True)], ids=["eager", "aot_eager-offload"])
+def test_the_same_bad_batch_on_every_rank_is_skipped_and_training_goes_on(
+    compiler: str, offload: bool, phase: str
+) -> None:
+    """Compiled, with CPU offload: the failed step's host copies and accumulated gradients are dropped as well."""
+    outcomes = run_faulty(_train, 2, compiler, Fault(rank=None, step=2, phase=phase), offload)
     _show(outcomes)
     assert all(o.error is None and o.exit is None for o in outcomes.values()), outcomes
 
