@@ -43,7 +43,10 @@ class Stepper:
     def __enter__(self) -> Stepper:
         busy = [u for u in self._units if u.on_gradient is not None]
         if busy:
-            raise RuntimeError(f"step_in_backward is already active on this model (unit {unit_label(busy[0].layout.name)!r})")
+            raise RuntimeError(
+                f"step_in_backward is already active on this model (unit {unit_label(busy[0].layout.name)!r}): one "
+                "`with` block at a time"
+            )
         syncing_off = [u for u in self._units if not u.requires_gradient_sync and u.trainable]
         if syncing_off:
             raise RuntimeError(

@@ -19,11 +19,11 @@ the transfer) it is a plain copy.
 
 from __future__ import annotations
 
-import torch
-from torch.utils.weak import WeakIdKeyDictionary
-
 import concurrent.futures
 from dataclasses import dataclass
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fsdp_compile import _internals
 from fsdp_compile._internals import failures
@@ -148,10 +148,10 @@ def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
 def wait_for(tensor: torch.Tensor) -> None:
     """Block until the copy that made ``tensor`` (or the tensor it is a view of) is done; at once if none is
     pending."""
-    wait_for_key(_key(tensor))
+    _wait_for_key(_key(tensor))
 
 
-def wait_for_key(key: int) -> None:
+def _wait_for_key(key: int) -> None:
     done = _pending.pop(key, None)  # atomic: the step in backward's thread waits too
     if done is not None:
         done.synchronize()
@@ -160,4 +160,4 @@ def wait_for_key(key: int) -> None:
 def wait_for_all() -> None:
     """Block until every pending copy is done."""
     for key in list(_pending):
-        wait_for_key(key)
+        _wait_for_key(key)
