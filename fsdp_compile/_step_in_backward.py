@@ -131,11 +131,10 @@ def step_in_backward(module: nn.Module, optimizer: torch.optim.Optimizer) -> Ste
     SGD, Adam, AdamW, ...). Made for CPU offload, where the optimizer steps on the host. Refused: an optimizer over a
     parameter that is no piece of the model's units, LBFGS (a closure), gradient sync off (a non-final micro-batch:
     wrap only the last one), and ``fsdp_compile.clip_grad_norm_`` inside (it needs every gradient first)."""
-    if not sharded_units(module):
-        raise ValueError("step_in_backward: the module has no sharded units: call fsdp_compile.shard() on it first")
+    units = sharded_units(module)  # raises for a module shard() has not sharded
     if isinstance(optimizer, torch.optim.LBFGS):
         raise ValueError("step_in_backward: LBFGS steps with a closure over the whole model and cannot step per unit")
-    pieces = {id(piece.param) for unit in sharded_units(module) for piece in unit.pieces}
+    pieces = {id(piece.param) for unit in units for piece in unit.pieces}
     names = {id(p): n for n, p in module.named_parameters()}
     for group in optimizer.param_groups:
         for param in group["params"]:

@@ -94,7 +94,7 @@ def _refusals(model: torch.nn.Module, run: torch.nn.Module, opt: torch.optim.Opt
     with pytest.raises(RuntimeError, match="already active on this model"):
         with fsdp_compile.step_in_backward(model, opt):
             fsdp_compile.step_in_backward(model, opt).__enter__()
-    with pytest.raises(ValueError, match=r"no sharded units: call fsdp_compile.shard\(\) on it first"):
+    with pytest.raises(ValueError, match=r"Linear is not sharded: call fsdp_compile.shard\(module, units=...\) first"):
         fsdp_compile.step_in_backward(torch.nn.Linear(2, 2), opt)
     extra = torch.nn.Parameter(torch.zeros(3))
     with pytest.raises(ValueError, match=r"steps a tensor of shape \(3,\), which is no piece"):
