@@ -23,6 +23,7 @@ __all__ = [
     "ALL_GATHER",
     "ALL_REDUCE",
     "CASTS",
+    "COPY_TO_DEVICE",
     "EXCHANGE",
     "GRAD_REDUCTIONS",
     "TO_GATHER",
@@ -55,7 +56,9 @@ HSDP, followed by an ``ALL_REDUCE`` of the reduced shard over the replicas."""
 ALL_REDUCE = _c10d.all_reduce.default
 CASTS = (torch.ops.prims.convert_element_type.default, torch.ops.aten._to_copy.default)
 """The dtype casts AOTAutograd and Inductor's decompositions produce (``tensor.to(dtype)``)."""
-TO_GATHER = (*CASTS, torch.ops.fsdp_compile.copy_to_device.default)
+COPY_TO_DEVICE = torch.ops.fsdp_compile.copy_to_device.default
+"""CPU offload: a unit's flat shard copied to the device (cast there to ``param_dtype``)."""
+TO_GATHER = (*CASTS, COPY_TO_DEVICE)
 """What a flat shard passes through on its way to its all-gather: casts and, with CPU offload, its copy to the
 device (moved, and done again in backward, with the all-gather)."""
 

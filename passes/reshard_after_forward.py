@@ -7,7 +7,9 @@ Postcondition: every node of such a chain, the cast that feeds it and every view
 for backward and places a fresh all-gather in the backward graph. (Without the tag the partitioner
 force-saves collectives: all gathered parameters would live from forward to backward.) Except the units
 shard() was told not to reshard (``reshard_after_forward``): their all-gather carries
-``meta["custom"][KEEP_GATHERED]`` and is left untagged, so the gathered unit is saved for backward.
+``meta["custom"][KEEP_GATHERED]`` and is left untagged, so the gathered unit is saved for backward. CPU offload
+on one rank: no all-gather; the unit's copy to the device is the gathered unit, tagged alike (copied again in
+backward), so the device holds one unit's copy at a time, as on several ranks.
 
 Shared bodies ([Note: shared bodies]): a body's joint graph reads its unit as a placeholder (the gathered unit,
 which the call site gathers); every view of it is tagged, so the body's partition saves the placeholder itself,
@@ -34,6 +36,8 @@ from fsdp_compile._internals import is_view_op
 from fsdp_compile._layout import UNIT
 from fsdp_compile.passes._graph import (
     ALL_GATHER,
+    CASTS,
+    COPY_TO_DEVICE,
     TO_GATHER,
     WAIT,
     GraphPass,
@@ -76,6 +80,18 @@ def _with_views(nodes: list[fx.Node], start: fx.Node) -> list[fx.Node]:
     return nodes
 
 
+def _feeds_all_gather(node: fx.Node) -> bool:
+    """Whether ``node`` reaches an all-gather through casts and views (its unit is sharded over several ranks)."""
+    frontier = list(node.users)
+    while frontier:
+        user = frontier.pop()
+        if user.target == ALL_GATHER:
+            return True
+        if user.target in CASTS or is_view_op(user.target):
+            frontier.extend(user.users)
+    return False
+
+
 def _gathered_placeholders(graph: fx.Graph) -> list[fx.Node]:
     """A shared body's placeholders that are gathered units: read by views that ``insert_collectives`` tagged."""
     return [p for p in graph.find_nodes(op="placeholder")
@@ -100,7 +116,11 @@ def _passed_through(graph: fx.Graph, gathered: set[str]) -> list[tuple[str, str]
 def plan_reshard(graph: fx.Graph) -> ReshardPlan:
     chains = []
     for node in graph.nodes:
-        if node.target != ALL_GATHER or node.meta.get("custom", {}).get(KEEP_GATHERED):
+        if node.target not in (ALL_GATHER, COPY_TO_DEVICE) or node.meta.get("custom", {}).get(KEEP_GATHERED):
+            continue
+        if node.target == COPY_TO_DEVICE:  # one rank: the copy is the gathered unit, unless an all-gather follows
+            if not _feeds_all_gather(node):
+                chains.append(tuple(n.name for n in _with_views([node], node)))
             continue
         chain, _ = producers(node, lambda n: n.target in TO_GATHER or is_view_op(n.target))
         chain.append(node)

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 import fsdp_compile
 from fsdp_compile import explain
+from fsdp_compile._internals import is_view_op
 from fsdp_compile.passes._graph import CASTS
 from fsdp_compile.passes.insert_collectives import is_marker
 from fsdp_compile.passes.schedule_overlap import plan_overlap
@@ -118,6 +119,24 @@ def test_cpu_offload_copies_each_unit_to_the_device_with_its_gather_and_its_grad
     back = [n for n in graphs["backward"].graph.nodes if n.target is d2h]
     assert len(back) == N_UNITS and all(n.meta["val"].dtype == torch.float32 for n in back)
     assert all(user.op == "output" for n in back for user in n.users)
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "kept"])
+def test_cpu_offload_on_one_rank_copies_each_unit_again_in_backward_unless_kept(reshard: bool) -> None:
+    """One rank, offloaded: no all-gather, each unit's copy to the device is the gathered unit. Resharded after
+    forward (the default) it is copied again in backward, never saved (the device holds one unit's copy at a time,
+    as on several ranks: a frozen base offloaded costs the GPU no more than its largest unit); kept
+    (``reshard_after_forward=False``) it is saved for backward and not copied again."""
+    mp = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16)
+    graphs = _graphs("aot_eager", mp, world_size=1, offload_policy=CPUOffloadPolicy(), reshard_after_forward=reshard)
+    h2d = torch.ops.fsdp_compile.copy_to_device.default
+    fwd, bwd = graphs["forward"], graphs["backward"]
+    assert _count(fwd, ALL_GATHERS) == _count(bwd, ALL_GATHERS) == 0
+    assert _count(fwd, (h2d,)) == N_UNITS and _count(bwd, (h2d,)) == (N_UNITS if reshard else 0)
+    (output,) = fwd.graph.find_nodes(op="output")
+    saved = {a for a in output.args[0] if isinstance(a, fx.Node)}
+    copies = [n for n in fwd.graph.nodes if n.target is h2d]
+    assert not reshard or not saved & {*copies, *(u for n in copies for u in n.users if is_view_op(u.target))}
 
 
 def _gathered_aliases(gm: fx.GraphModule) -> set[fx.Node]:

@@ -44,14 +44,15 @@ def compile_and_capture(
     gradient_sync: bool = True,
     backend_options: dict[str, Any] | None = None,
     mesh: tuple[int, int] | None = None,
+    world_size: int = 2,
     **shard_options: Any,
 ) -> dict[str, fx.GraphModule]:
-    """Shard a tiny Llama (every ``Block`` a unit) as ``rank`` of 2 (or, HSDP, on a (replicate, shard) mesh of
-    shape ``mesh``), compile it with ``fsdp_compile.backend(**backend_options)``, run one forward and
+    """Shard a tiny Llama (every ``Block`` a unit) as ``rank`` of ``world_size`` (or, HSDP, on a (replicate, shard)
+    mesh of shape ``mesh``), compile it with ``fsdp_compile.backend(**backend_options)``, run one forward and
     backward, and return the graphs by stage: ``"dynamo"`` (after the Dynamo-graph passes), ``"forward"``,
     ``"backward"``."""
     torch._dynamo.reset()  # many compilations of Llama.forward in one process: stay under the recompile limit
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=mesh[0] * mesh[1] if mesh else 2)
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=mesh[0] * mesh[1] if mesh else world_size)
     try:
         if mesh:
             shard_options["mesh"] = hsdp_mesh(mesh)
