@@ -7,6 +7,9 @@ only they are reduced in backward; then save the adapters where ``PeftModel.from
     torchrun --nproc_per_node 1 examples/lora.py --model 8.8b --compare --json lora.json
         # one GPU: the same LoRA model without shard() first, under torch.compile, then sharded: peak memory and
         # step time side by side
+    torchrun --nproc_per_node 1 examples/lora.py --model 8.8b --offload --json lora.json
+        # then the same model sharded with CPU offload (FSDP2's CPUOffloadPolicy): the frozen base and the adapters
+        # in pinned host memory, each unit copied to the GPU for its forward and again for its backward
 
 On a bf16 model peft makes the adapters float32 (``autocast_adapter_dtype=True``): each decoder layer then holds
 a frozen bf16 group and a trainable float32 group, gathered separately; only the float32 group has a gradient.
@@ -23,6 +26,7 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import CPUOffloadPolicy
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict
 from transformers import AutoModelForCausalLM, LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer
@@ -85,6 +89,14 @@ def save_adapters(model: torch.nn.Module, path: str) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(model, state_dict=trainable)
 
 
+def release(device: torch.device) -> None:
+    """Free the previous run's model and compiled code before the next run's (each run's peak is its own)."""
+    gc.collect()
+    torch._dynamo.reset()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     cuda = dist.get_backend() == "nccl"
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -95,10 +107,7 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
         if world_size != 1:
             raise SystemExit("--compare runs the model without shard() beside the sharded one: one rank only")
         results["unsharded"] = train(build(args.model, args.rank, device, dtype), args.compiler, args, device)
-        gc.collect()
-        torch._dynamo.reset()
-        if cuda:
-            torch.cuda.empty_cache()
+        release(device)
     model = build(args.model, args.rank, device, dtype)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())
@@ -108,6 +117,12 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
     padding = sum((u.layout.padded_numel - sum(s.numel for s in u.layout.slots)) * u.flat.element_size() for u in units)
     results.update(parameters=total, trainable=trainable, reduced_elements=reduced, padding_bytes=padding)
     results["sharded"] = train(model, fsdp_compile.backend(compiler=args.compiler), args, device)
+    if args.offload:
+        del model, units
+        release(device)
+        model = fsdp_compile.shard(build(args.model, args.rank, device, dtype), units=[LlamaDecoderLayer],
+                                   offload_policy=CPUOffloadPolicy(pin_memory=cuda))
+        results["offloaded"] = train(model, fsdp_compile.backend(compiler=args.compiler), args, device)
     with tempfile.TemporaryDirectory() as tmp:
         path = args.save or tmp
         adapters = save_adapters(model, path)
@@ -128,6 +143,14 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
                   f"{plain['peak_bytes'] / 2**30:.3f} GiB (difference {more:+.1f} "
                   f"MiB; the shards' padding {padding / 2**20:.2f} MiB); step time sharded / without shard(): "
                   f"{sharded['step_s'] / plain['step_s']:.3f} ({plain['step_s'] * 1e3:.1f} ms without)")
+        if args.offload:
+            offloaded = results["offloaded"]
+            print(f"offloaded: {offloaded['step_s'] * 1e3:.1f} ms a step; losses "
+                  f"{[round(x, 4) for x in offloaded['losses']]}")
+            if cuda:
+                print(f"peak memory: offloaded {offloaded['peak_bytes'] / 2**30:.3f} GiB, sharded "
+                      f"{sharded['peak_bytes'] / 2**30:.3f} GiB; step time offloaded / sharded: "
+                      f"{offloaded['step_s'] / sharded['step_s']:.2f}")
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(results, f, indent=1)
@@ -142,6 +165,7 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=1, help="steps before the timed ones (compilation)")
     parser.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor")
     parser.add_argument("--compare", action="store_true", help="first the same LoRA model without shard() (1 rank)")
+    parser.add_argument("--offload", action="store_true", help="then the model sharded with CPU offload")
     parser.add_argument("--save", help="a folder for the adapters (default: a temporary one)")
     parser.add_argument("--json", help="write the measurements here")
     args = parser.parse_args()

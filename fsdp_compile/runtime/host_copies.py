@@ -1,6 +1,7 @@
 """CPU offload's copies between host and device memory.
 
-To the device (:func:`copy_to_device`): a shard is copied in its own dtype and cast on the device (FSDP2's order:
+To the device (:func:`copy_to_device`): on a side stream of its own, so the copy overlaps compute the host has
+already queued (the compute stream waits for it only where it reads the copy); a shard is copied in its own dtype and cast on the device (FSDP2's order:
 the device's cast is free, the host's is not: benchmarks/NOTES.md), while a host thread casts it into a *mirror* in
 the parameters' narrower dtype; the shard's next copies of the same values (the other micro-batches of gradient
 accumulation, backward's re-gather) move the mirror: half the bytes over the link for the same bits. A mirror is
@@ -34,8 +35,8 @@ SAMPLES = 1024
 """Elements of a shard compared with its mirror at each use (evenly spaced): a cheap check for writes the version
 counter does not count."""
 
-_streams: dict[int, torch.cuda.Stream] = {}
-"""Per device: the stream the copies to the host run on."""
+_streams: dict[tuple[str, int], torch.cuda.Stream] = {}
+"""Per direction ("to_host", "to_device") and device: the stream the copies run on."""
 _pending: dict[int, torch.cuda.Event] = {}
 """The host storage (its address) of each copy not waited for yet, and the event its copy recorded."""
 _queued_for: list[int] = [-1]
@@ -44,6 +45,13 @@ _queued_for: list[int] = [-1]
 
 def _key(tensor: torch.Tensor) -> int:
     return tensor.untyped_storage().data_ptr()
+
+
+def _stream(direction: str, device: torch.device) -> torch.cuda.Stream:
+    key = (direction, device.index if device.index is not None else torch.cuda.current_device())
+    if key not in _streams:
+        _streams[key] = torch.cuda.Stream(device)
+    return _streams[key]
 
 
 @dataclass
@@ -69,18 +77,31 @@ def copy_to_device(host: torch.Tensor, device: torch.device, dtype: torch.dtype)
     """``host`` on ``device`` in ``dtype``: from the shard's mirror where it is current, else copied in its own dtype
     and cast there, a new mirror cast meanwhile on the host (module docstring). From pageable memory or to a CPU
     device: the plain copy and cast."""
-    if dtype == host.dtype or device.type != "cuda" or not host.is_pinned():
+    if device.type != "cuda" or not host.is_pinned():
         return host.to(device, non_blocking=True, copy=True).to(dtype)
-    mirror = _mirrors.get(host)
+    mirror = _mirrors.get(host) if dtype != host.dtype else None
     if mirror is not None and _current(mirror, host):
-        out = mirror.tensor.to(device, non_blocking=True)
+        out = _on_side_stream(mirror.tensor, device, dtype)
         mirror.read = torch.cuda.Event()
-        mirror.read.record()
+        mirror.read.record(_stream("to_device", device))
         _internals.counters["fsdp_compile"]["offload_copies_from_mirror"] += 1
         return out
-    out = host.to(device, non_blocking=True).to(dtype)
-    if mirror is None or mirror.cast.done():  # stale or new; not while a cast into it runs
+    out = _on_side_stream(host, device, dtype)
+    if dtype != host.dtype and (mirror is None or mirror.cast.done()):  # stale or new; not while a cast into it runs
         _start_cast(host, dtype, mirror)
+    return out
+
+
+def _on_side_stream(source: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``source`` copied to ``device`` and cast to ``dtype`` on the device's copy stream; the compute stream waits
+    for it before its next kernel. Allocated on the copy stream (no wait for the compute stream's earlier work, so
+    the copy may run ahead of it) and marked used by the compute stream (freed only once its readers are done)."""
+    compute = torch.cuda.current_stream(device)
+    side = _stream("to_device", device)
+    with torch.cuda.stream(side):
+        out = source.to(device, non_blocking=True).to(dtype)
+    compute.wait_stream(side)
+    out.record_stream(compute)
     return out
 
 
@@ -124,9 +145,7 @@ def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
     if not tensor.is_cuda:
         return tensor.to("cpu", copy=True)
     compute = torch.cuda.current_stream(tensor.device)
-    side = _streams.get(tensor.device.index)
-    if side is None:
-        side = _streams[tensor.device.index] = torch.cuda.Stream(tensor.device)
+    side = _stream("to_host", tensor.device)
     source = tensor.detach().clone()
     host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
     side.wait_stream(compute)
