@@ -20,6 +20,7 @@ the transfer) it is a plain copy.
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 from dataclasses import dataclass
 
@@ -37,6 +38,10 @@ counter does not count."""
 
 _streams: dict[tuple[str, int], torch.cuda.Stream] = {}
 """Per direction ("to_host", "to_device") and device: the stream the copies run on."""
+AHEAD = 2
+"""Copies to the device the host may issue before the compute stream has done the work queued ahead of them."""
+_issued: dict[torch.cuda.Stream, collections.deque[torch.cuda.Event]] = {}
+"""Per copy stream to a device: the compute stream's events recorded as each of the last copies was issued."""
 _pending: dict[int, torch.cuda.Event] = {}
 """The host storage (its address) of each copy not waited for yet, and the event its copy recorded."""
 _queued_for: list[int] = [-1]
@@ -95,9 +100,16 @@ def copy_to_device(host: torch.Tensor, device: torch.device, dtype: torch.dtype)
 def _on_side_stream(source: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``source`` copied to ``device`` and cast to ``dtype`` on the device's copy stream; the compute stream waits
     for it before its next kernel. Allocated on the copy stream (no wait for the compute stream's earlier work, so
-    the copy may run ahead of it) and marked used by the compute stream (freed only once its readers are done)."""
+    the copy may run ahead of it) and marked used by the compute stream (freed only once its readers are done).
+    At most ``AHEAD`` copies ahead: the host waits until the compute stream has done what it was given before the
+    copy ``AHEAD`` back (a host far ahead of the GPU would otherwise hold every unit's copy at once: the allocator
+    reuses a copy's memory only once the compute that read it is done)."""
     compute = torch.cuda.current_stream(device)
     side = _stream("to_device", device)
+    issued = _issued.setdefault(side, collections.deque())
+    issued.append(compute.record_event())
+    while len(issued) > AHEAD:
+        issued.popleft().synchronize()
     with torch.cuda.stream(side):
         out = source.to(device, non_blocking=True).to(dtype)
     compute.wait_stream(side)
