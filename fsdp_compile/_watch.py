@@ -44,7 +44,9 @@ class ModelWatch:
         self.depth = 0
         self.pending: int | None = None
         self.backward_started = False
-        self._callback_queued = False
+        self._callback_for = -1
+        """The backward pass (graph task) whose end ``_backward_done`` is queued for: a backward that raises drops
+        its callbacks, so each backward pass queues its own."""
         self.thread = threading.get_ident()
         self.summoned = False
         """Inside ``summon_full_params``: a forward would read shards that the summoned parameters may change."""
@@ -121,14 +123,14 @@ class ModelWatch:
     def backward_ran(self) -> None:
         """A unit's backward ran (called inside the autograd engine): completing this backward settles the step."""
         self.backward_started = True
-        if not self._callback_queued:
-            self._callback_queued = True
+        task = _internals.backward_task()
+        if task != self._callback_for:
+            self._callback_for = task
             failures.queue_backward_callback(self._backward_done)
 
     def _backward_done(self) -> None:
         self.pending = None
         self.backward_started = False
-        self._callback_queued = False
 
     # -- the channels' watcher -----------------------------------------------------------------------------------
 

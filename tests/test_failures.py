@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._dynamo.utils import counters
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 import fsdp_compile
@@ -63,6 +64,10 @@ def _train(rank: int, world_size: int, compiler: str, fault: Fault, offload: boo
         opt.step()
         opt.zero_grad()
     if fault.rank is None:  # the same bad batch everywhere: as if that step's batch had been skipped
+        # and the steps after it completed: no forward found the step before it still waiting for its backward, but
+        # the one after an eager backward that raised (in autograd, outside the library: the next forward sees it)
+        checked = int(compiler == "eager" and fault.phase == "backward")
+        assert counters["fsdp_compile"]["forwards_checked_with_peers"] == checked, dict(counters["fsdp_compile"])
         ref = _model()
         ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
         for step in range(1, STEPS + 1):
