@@ -11,5 +11,5 @@ python3 -m pip install -q --no-deps --no-build-isolation --no-index -e .
 python3 -c "import peft" 2>/dev/null || python3 -m pip install -q --no-deps --no-index build/wheels/*.whl
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/card.txt"
 python3 -c "import torch, transformers, peft; print('torch', torch.__version__, 'transformers', transformers.__version__, 'peft', peft.__version__)" | tee -a "$OUT/card.txt"
-torchrun --nproc_per_node 1 examples/lora.py --model 8.8b ${LORA_ARGS:---compare} --seq "${SEQ:-2048}" --steps "${STEPS:-5}" \
-    --warmup "${WARMUP:-2}" --json "$OUT/lora_8b.json" 2>&1 | tee "$OUT/lora_8b.log" | grep -v Warning
+torchrun --nproc_per_node 1 examples/lora.py --model 8.8b ${LORA_ARGS:---compare} --seq "${SEQ:-2048}" \
+    --steps "${STEPS:-5}" --warmup "${WARMUP:-2}" --json "$OUT/lora_8b.json" 2>&1 | tee "$OUT/lora_8b.log" | grep -v Warning

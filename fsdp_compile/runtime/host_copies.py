@@ -1,13 +1,13 @@
 """CPU offload's copies between host and device memory.
 
 To the device (:func:`copy_to_device`): on a side stream of its own, so the copy overlaps compute the host has
-already queued (the compute stream waits for it only where it reads the copy); a shard is copied in its own dtype and cast on the device (FSDP2's order:
-the device's cast is free, the host's is not: benchmarks/NOTES.md), while a host thread casts it into a *mirror* in
-the parameters' narrower dtype; the shard's next copies of the same values (the other micro-batches of gradient
-accumulation, backward's re-gather) move the mirror: half the bytes over the link for the same bits. A mirror is
-used while the shard's version counter (which every in-place write bumps: the optimizer's, a load, ``copy_``) and a
-sample of its values still match; a write through ``.data`` that changes none of the sampled elements is the one
-thing it cannot see (don't write offloaded shards through ``.data``).
+already queued (the compute stream waits for it only where it reads the copy). A shard is copied in its own dtype
+and cast on the device (FSDP2's order: the device's cast is free, the host's is not: benchmarks/NOTES.md), while a
+host thread casts it into a *mirror* in the parameters' narrower dtype; the shard's next copies of the same values
+(the other micro-batches of gradient accumulation, backward's re-gather) move the mirror: half the bytes over the
+link for the same bits. A mirror is used while the shard's version counter (which every in-place write bumps: the
+optimizer's, a load, ``copy_``) and a sample of its values still match; a write through ``.data`` that changes none
+of the sampled elements is the one thing it cannot see (don't write offloaded shards through ``.data``).
 
 To the host (:func:`copy_to_host`): a GPU gradient is copied to pinned host memory on a side stream of its own, so
 the copy overlaps the rest of backward's compute, and :func:`copy_to_host` returns at once: the host tensor is
