@@ -1,8 +1,8 @@
 """Hugging Face's gradient checkpointing (``gradient_checkpointing_enable``), which checkpoints each decoder layer's
 ``forward`` rather than its ``__call__``: the recompute in backward gathers the layer's unit once (the unit module's
 own ``forward`` gathers it, [Note: eager gather and reshard]); eager, aot_eager and Inductor, Llama and Qwen2, a peft
-LoRA model, reentrant and not, on real ranks against the unsharded model with the same switch (layer 3). A recompute
-of part of a unit is refused, naming the fix."""
+LoRA model, reentrant and not, on real ranks against the unsharded model with the same switch (layer 3); Inductor's
+case with CPU offload (float64 on 2 ranks). A recompute of part of a unit is refused, naming the fix."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 import fsdp_compile
 from fsdp_compile._internals import failures
@@ -40,10 +41,12 @@ class Case(NamedTuple):
     reentrant: bool = False
     after_shard: bool = False
     """The switch turned on after ``shard()`` (Trainer's order: it enables checkpointing when training starts)."""
+    offload: bool = False
+    """CPU offload (FSDP2's ``CPUOffloadPolicy``): the shards in host memory, copied for each gather."""
 
 
 CASES = {  # by world size: Llama on 2 ranks, Qwen2 on 3
-    2: [Case("llama", "eager"), Case("llama", "inductor"), Case("llama", "eager", reentrant=True),
+    2: [Case("llama", "eager"), Case("llama", "inductor", offload=True), Case("llama", "eager", reentrant=True),
         Case("llama", "aot_eager", lora=True)],
     3: [Case("qwen2", "eager"), Case("qwen2", "aot_eager"), Case("qwen2", "eager", lora=True, reentrant=True, after_shard=True),
         Case("qwen2", "aot_eager", reentrant=True)],
@@ -74,7 +77,7 @@ def _checkpointed(rank: int, world_size: int, cases: list[Case]) -> None:
         ref = CausalLMLoss(_checkpointing_on(base, case))
         if not case.after_shard:
             _checkpointing_on(lm, case)
-        fsdp_compile.shard(lm, units=is_decoder_layer)
+        fsdp_compile.shard(lm, units=is_decoder_layer, offload_policy=CPUOffloadPolicy() if case.offload else None)
         if case.after_shard:
             _checkpointing_on(lm, case)
         model = CausalLMLoss(lm)

@@ -280,7 +280,8 @@ def test_parity_cpu_offload(compiler: str, world_size: int) -> None:
     """FSDP2's ``CPUOffloadPolicy``: float64 parity with the unsharded model, the optimizer stepping on the host
     pieces. On 1 and 3 ranks (3: shards padded), two micro-batches accumulated and the sum delivered once (the
     accumulator on the device, also on one rank, where nothing is reduced: the gradient copied to the host once).
-    Inductor: ``test_parity_inductor[...-cpu_offload]`` (float64 on 3 ranks, bf16 accumulated on 2)."""
+    Inductor: ``test_parity_inductor[...-cpu_offload]`` (float64 on 3 ranks, bf16 accumulated on 2) and
+    ``tests/test_gradient_checkpointing.py`` (float64 on 2 ranks)."""
     accumulated = {"micro_batches": 2, "gradient_sync": False} if world_size != 2 else {}
     case = Case(compiler, torch.float64, torch.float64, steps=3, offload=True, **accumulated)
     run_ranks(_train_and_compare, world_size, case)
