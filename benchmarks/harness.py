@@ -7,8 +7,10 @@ timed steps, less what the previous system left: ``leftover_after_gib``, plus th
 which the allocator does not count; not comparable under CUDA graphs, whose pool it leaves out) and
 ``max_memory_reserved``; the slabs (``fsdp_compile.slab_bytes()``); host time to enqueue a step (the slowest
 rank's; every rank's in ``extra``, split into forward and backward, with the garbage collections); from a trace of
-``profile_steps`` more steps: communication, exposed communication (no other kernel running), compute, GPU idle
-time; compile time (first step minus the median; ``extra["caches"]``: Inductor's and AOTAutograd's cache hits).
+``profile_steps`` more steps: communication, exposed communication (no other kernel running), compute, copies
+between host and device (CPU offload's) and their exposed part, GPU idle time; the host's peak resident memory
+while the system is built and stepped (sampled; the process's, so what earlier systems left resident counts too:
+``extra["host_start_gib"]`` says how much); compile time (first step minus the median; ``extra["caches"]``: Inductor's and AOTAutograd's cache hits).
 ``trace_dir`` keeps each trace (``trace_summary.py`` reads them); tracing the host slows it, so the profile columns
 then come from slower steps (not the step times: those are untraced); ``trace_kernels_only`` traces the GPU only.
 """
@@ -23,6 +25,7 @@ import os
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 import weakref
 from collections.abc import Iterator
@@ -213,14 +216,15 @@ def run(spec: Spec, cfg: LlamaConfig, batch: int, seq: int, repeat: int, setting
     resident = _release(device)
     caches = _cache_counts()
     torch.manual_seed(0)
+    tokens = batch * seq * settings.micro_batches
+    result = Result(system=spec.name, tokens_per_gpu=tokens, batch=batch, seq=seq, repeat=repeat, losses=[],
+                    step_ms=[], peak_comparable=not spec.cudagraphs)
+    host_memory = _HostPeak()
     with device:
         model = Llama(cfg)
     model_ref = weakref.ref(model)
     steps = _Steps(build(spec, model, device, settings.compiler), model, batch, seq, settings.micro_batches, device)
     del model
-    tokens = batch * seq * settings.micro_batches
-    result = Result(system=spec.name, tokens_per_gpu=tokens, batch=batch, seq=seq, repeat=repeat, losses=[],
-                    step_ms=[], peak_comparable=not spec.cudagraphs)
     with steps.prepared.context(), _garbage_collection(settings.gc):
         host = _timed_steps(steps, result, settings)
         result.grad_norms = steps.grad_norms
@@ -229,12 +233,14 @@ def run(spec: Spec, cfg: LlamaConfig, batch: int, seq: int, repeat: int, setting
             symmetric = fsdp_compile.slab_bytes(symmetric=True)  # the driver's memory: not in the allocator's peak
             result.peak_gib = (torch.cuda.max_memory_allocated(device) - resident + symmetric) / 2**30
             result.reserved_gib = torch.cuda.max_memory_reserved(device) / 2**30
-        result.extra.update(_host_memory_gib())
         result.fwd_bwd_ms, result.opt_ms = _split_steps(steps, settings)
+        start, result.host_peak_gib, end = host_memory.stop()
+        result.extra.update(host_start_gib=start, host_rss_gib=end)
         if device.type == "cuda" and settings.profile_steps:
             overlap = _profile(steps, settings, f"{spec.name}_{tokens}_run{repeat}_rank{dist.get_rank()}")
             result.comm_ms, result.exposed_comm_ms = overlap["comm"], overlap["exposed"]
             result.compute_ms, result.idle_ms = overlap["compute"], overlap["idle"]
+            result.host_copy_ms, result.exposed_host_copy_ms = overlap["host_copy"], overlap["host_copy_exposed"]
     if spec.family == "no_comm_bound":
         result.sharded_opt_ms = _sharded_optimizer_ms(steps.prepared.params, settings.split_steps, device)
     result.median_step_ms = statistics.median(result.step_ms[settings.warmup:])
@@ -276,12 +282,32 @@ def _release(device: torch.device) -> int:
     return torch.cuda.memory_allocated(device)
 
 
-def _host_memory_gib() -> dict[str, float]:
-    """This process's resident host memory after the timed steps (pinned memory included; what earlier systems of
-    the run left resident too)."""
+def _resident_gib() -> float:
+    """This process's resident host memory (pinned memory included)."""
     with open("/proc/self/statm") as statm:
-        rss = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return {"host_rss_gib": rss / 2**30}
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
+
+
+class _HostPeak:
+    """Samples the resident memory on a thread from its creation to ``stop``: a host optimizer's transient
+    buffers show only in the peak."""
+
+    def __init__(self, every_s: float = 0.005) -> None:
+        self._samples = [_resident_gib()]
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._sample, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _sample(self, every_s: float) -> None:
+        while not self._done.wait(every_s):
+            self._samples.append(_resident_gib())
+
+    def stop(self) -> tuple[float, float, float]:
+        """The resident GiB at the start, the peak and now."""
+        self._done.set()
+        self._thread.join()
+        self._samples.append(_resident_gib())
+        return self._samples[0], max(self._samples), self._samples[-1]
 
 
 def _sharded_optimizer_ms(params: list[nn.Parameter], reps: int, device: torch.device) -> float:

@@ -68,6 +68,13 @@ class Result:
     comm_ms: float | None = None
     compute_ms: float | None = None
     idle_ms: float | None = None
+    host_copy_ms: float | None = None
+    """From the profiled steps: time a copy between host and device runs (CPU offload's), and of that the time no
+    kernel runs."""
+    exposed_host_copy_ms: float | None = None
+    host_peak_gib: float | None = None
+    """The process's peak resident host memory (pinned included) while the system was built and stepped, sampled;
+    ``extra["host_start_gib"]``: at its start (what earlier systems left resident)."""
     cpu_ms: float | None = None
     """Host time to enqueue a step (median over the timed steps), on the slowest rank: the one every collective
     waits for (each rank's in ``extra["host_ms_per_rank"]``)."""
@@ -242,11 +249,31 @@ def table(results: list[Result]) -> Iterator[str]:
                 f"{_fmt(row.median('cpu_ms'), '.1f')} | {row.median('compile_s'):.1f} |"
             )
         yield from _auto_against_fixed_routes(point)
+        yield from _step_split(point)
     yield ("\nstep ms: median over the runs of each run's median step (range: min-max over the runs). Tight bound: "
            "the headline; rows with CUDA graphs against the bound with CUDA graphs where the run has it. Compute "
            "slowdown: (fwd+bwd - exposed comm) / the bound's fwd+bwd. peak GiB: the allocator's peak plus symmetric "
            "slabs; (n/c): not comparable, CUDA graphs' pool not counted; reserved GiB counts it. slabs MiB: the "
            "memory plan's (what the planner sized). host ms: the slowest rank's time to enqueue a step.")
+
+
+def _step_split(point: Point) -> Iterator[str]:
+    """Where a step's time goes when a row copies between host and device (CPU offload), from its profiled steps:
+    GPU compute, the copies and their exposed part (no kernel beside them), the optimizer step (timed apart) and
+    the GPU's idle time (a host optimizer's step, host waits)."""
+    if not any(row.median("host_copy_ms") for row in point.rows):
+        return
+    yield ("\n| system | step ms | GPU compute ms | host-device copies ms | of which exposed | optimizer ms "
+           "| GPU idle ms | host peak GiB (at start) |")
+    yield "|---|---|---|---|---|---|---|---|"
+    for row in point.rows:
+        start = statistics.median(r.extra.get("host_start_gib", 0.0) for r in row.runs)
+        yield (f"| {row.system} | {row.step_ms:.1f} | {_fmt(row.median('compute_ms'), '.1f')} | "
+               f"{_fmt(row.median('host_copy_ms'), '.1f')} | {_fmt(row.median('exposed_host_copy_ms'), '.1f')} | "
+               f"{_fmt(row.median('opt_ms'), '.1f')} | {_fmt(row.median('idle_ms'), '.1f')} | "
+               f"{_fmt(row.median('host_peak_gib'), '.1f')} ({start:.1f}) |")
+    yield ("GPU compute: time any kernel or device copy runs; host-device copies: time any copy between them runs, "
+           "exposed: none of those kernels beside it; GPU idle: neither (the profiled steps, per step).")
 
 
 def _auto_against_fixed_routes(point: Point) -> Iterator[str]:

@@ -3,7 +3,7 @@ length and overlap."""
 
 from __future__ import annotations
 
-__all__ = ["Intervals", "intersect", "is_communication", "length", "union"]
+__all__ = ["Intervals", "intersect", "is_communication", "is_host_copy", "length", "union"]
 
 Intervals = list[tuple[float, float]]
 
@@ -15,6 +15,12 @@ def is_communication(kernel_name: str) -> bool:
     ``triton_poi_fused_all_gather_into_tensor_0``, a cast: not these."""
     low = kernel_name.lower()
     return "nccl" in low or "PtoP" in kernel_name or "symmetric_memory" in low
+
+
+def is_host_copy(kernel_name: str) -> bool:
+    """A copy between host and device memory (CPU offload's transfers; the profiler names them "Memcpy HtoD
+    (Pinned -> Device)", "Memcpy DtoH (Device -> Pinned)")."""
+    return "HtoD" in kernel_name or "DtoH" in kernel_name
 
 
 def union(intervals: Intervals) -> Intervals:

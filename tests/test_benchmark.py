@@ -114,6 +114,9 @@ def test_benchmark_runs_on_cpu_and_all_systems_agree(tmp_path: "os.PathLike[str]
         assert all(f + b <= h for f, b, h in zip(per_rank["host_forward_ms_per_rank"],
                                                  per_rank["host_backward_ms_per_rank"], per_rank["host_ms_per_rank"]))
     assert "| peak GiB | slabs MiB | reserved GiB |" in proc.stdout
+    # The host's peak resident memory per system, sampled while it was built and stepped.
+    assert all(r["host_peak_gib"] >= max(r["extra"]["host_start_gib"], r["extra"]["host_rss_gib"]) > 0
+               for r in data["results"])
 
     subprocess.run([sys.executable, "benchmarks/plot.py", out, "--out", str(tmp_path)], cwd=ROOT, check=True)
     assert os.path.exists(os.path.join(tmp_path, "step_time.png")) and os.path.exists(os.path.join(tmp_path, "memory.png"))
@@ -301,6 +304,19 @@ def test_each_table_says_how_auto_compares_with_the_fastest_fixed_route() -> Non
     lines = list(table(results))
     assert "auto: fsdp_compile 10.0 ms against the fastest fixed route, fsdp_compile_nccl 8.0 ms (1.25x)" in lines
     assert not any(line.startswith("auto with CUDA graphs") for line in lines)  # no fixed route with CUDA graphs
+
+
+def test_a_table_with_copies_between_host_and_device_splits_the_step() -> None:
+    """CPU offload's step: GPU compute, the copies and their exposed part, the optimizer, GPU idle, host peak."""
+    results = [_result("fsdp2_eager", {}), _result("fsdp_compile", {})]
+    assert not any("host-device copies" in line for line in table(results))  # no offloaded row: no split
+    offloaded = results[1]
+    offloaded.compute_ms, offloaded.host_copy_ms, offloaded.exposed_host_copy_ms = 5.0, 4.0, 1.5
+    offloaded.opt_ms, offloaded.idle_ms, offloaded.host_peak_gib = 2.0, 3.0, 7.25
+    offloaded.extra["host_start_gib"] = 1.0
+    lines = list(table(results))
+    assert "| fsdp_compile | 10.0 | 5.0 | 4.0 | 1.5 | 2.0 | 3.0 | 7.2 (1.0) |" in lines, lines
+    assert "| fsdp2_eager | 10.0 | n/a | n/a | n/a | n/a | n/a | n/a (0.0) |" in lines, lines
 
 
 def test_the_benchmarks_fixed_routes_are_named_as_the_report_finds_them() -> None:

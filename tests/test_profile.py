@@ -31,7 +31,8 @@ def test_communication_overlap_splits_the_timeline(tmp_path: "os.PathLike[str]")
     ]
     path = _write_trace(tmp_path, events)
     got = communication_overlap(path, steps=1)
-    assert got == pytest.approx({"comm": 10.0, "exposed": 5.0, "overlapped": 5.0, "compute": 20.0, "idle": 5.0})
+    assert got == pytest.approx({"comm": 10.0, "exposed": 5.0, "overlapped": 5.0, "compute": 20.0, "host_copy": 0.0,
+                                "host_copy_exposed": 0.0, "idle": 5.0})
     assert communication_overlap(path, steps=2)["compute"] == pytest.approx(10.0)
 
 
@@ -45,7 +46,22 @@ def test_the_copy_engine_collectives_barriers_are_communication(tmp_path: "os.Pa
     ]
     path = _write_trace(tmp_path, events)
     got = communication_overlap(path, steps=1)
-    assert got == pytest.approx({"comm": 6.0, "exposed": 5.0, "overlapped": 1.0, "compute": 3.0, "idle": 0.0})
+    assert got == pytest.approx({"comm": 6.0, "exposed": 5.0, "overlapped": 1.0, "compute": 3.0, "host_copy": 0.0,
+                                "host_copy_exposed": 0.0, "idle": 0.0})
+
+
+def test_copies_between_host_and_device_are_counted_apart_with_their_exposed_part(
+        tmp_path: "os.PathLike[str]") -> None:
+    """CPU offload's step split: its copies are neither compute nor communication; exposed where no kernel runs."""
+    events = [
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy HtoD (Pinned -> Device)", "ts": 0, "dur": 6_000},
+        _kernel("nvjet_gemm", 4_000, 10_000),
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "ts": 9_000, "dur": 3_000},
+        {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoD (Device -> Device)", "ts": 20_000, "dur": 1_000},
+    ]
+    got = communication_overlap(_write_trace(tmp_path, events), steps=1)
+    assert got == pytest.approx({"comm": 0.0, "exposed": 0.0, "overlapped": 0.0, "compute": 7.0, "host_copy": 9.0,
+                                 "host_copy_exposed": 6.0, "idle": 8.0})
 
 
 def test_trace_steps_leaves_the_warm_up_step_out(tmp_path: "os.PathLike[str]") -> None:

@@ -8,7 +8,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from fsdp_compile._intervals import intersect, is_communication, length, union
+from fsdp_compile._intervals import intersect, is_communication, is_host_copy, length, union
 
 __all__ = ["communication_overlap", "gpu_activity", "intersect", "is_communication", "length", "outside_allocator_mib",
            "trace_steps", "union"]
@@ -37,18 +37,22 @@ def outside_allocator_mib() -> float:
 def communication_overlap(trace_path: str, steps: int = 1) -> dict[str, float]:
     """Per step, in ms: ``comm`` (time any NCCL kernel or peer-to-peer copy runs), ``exposed`` (of that,
     the time no other kernel runs), ``overlapped`` (comm - exposed), ``compute`` (time any other kernel
-    or copy runs) and ``idle`` (time between the trace's first and last kernel when none runs: launch
-    gaps, host waits)."""
-    comm, compute = [], []
+    or device copy runs), ``host_copy`` (time a copy between host and device runs: CPU offload's transfers),
+    ``host_copy_exposed`` (of that, the time no kernel runs) and ``idle`` (time between the trace's first and
+    last event when none runs: launch gaps, host waits, a host optimizer step)."""
+    comm, host_copy, compute = [], [], []
     for name, start, end in gpu_activity(trace_path):
-        (comm if is_communication(name) else compute).append((start, end))
-    comm_u, compute_u = union(comm), union(compute)
-    busy = union(comm_u + compute_u)
+        kind = comm if is_communication(name) else host_copy if is_host_copy(name) else compute
+        kind.append((start, end))
+    comm_u, host_copy_u, compute_u = union(comm), union(host_copy), union(compute)
+    kernels = union(comm_u + compute_u)
+    busy = union(kernels + host_copy_u)
     overlapped = length(intersect(comm_u, compute_u))
     total = length(comm_u)
     idle = busy[-1][1] - busy[0][0] - length(busy) if busy else 0.0
     per_step = {"comm": total, "exposed": total - overlapped, "overlapped": overlapped,
-                "compute": length(compute_u), "idle": idle}
+                "compute": length(compute_u), "host_copy": length(host_copy_u),
+                "host_copy_exposed": length(host_copy_u) - length(intersect(host_copy_u, kernels)), "idle": idle}
     return {k: v / 1e3 / steps for k, v in per_step.items()}
 
 
