@@ -18,6 +18,7 @@ then come from slower steps (not the step times: those are untraced); ``trace_ke
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import gzip
 import json
@@ -274,12 +275,23 @@ def _release(device: torch.device) -> int:
     torch._dynamo.reset()
     fsdp_compile.release_slabs()
     gc.collect()
+    _trim_host_heap()
     if device.type != "cuda":
         return 0
     torch.cuda.empty_cache()
     empty_host_cache = getattr(torch._C, "_host_emptyCache", None) or getattr(torch._C, "_accelerator_emptyHostCache")
     empty_host_cache()  # CPU offload's pinned blocks, cached by the host allocator: the next system's host memory
     return torch.cuda.memory_allocated(device)
+
+
+def _trim_host_heap() -> None:
+    """Hand the C heap's free pages back to the system: glibc keeps freed blocks below its mmap threshold, so a
+    previous system's host state (CPU offload's optimizer states and gradients) stayed resident, counted in the
+    next system's host memory."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _resident_gib() -> float:
