@@ -1,8 +1,10 @@
 """Hugging Face's gradient checkpointing (``gradient_checkpointing_enable``), which checkpoints each decoder layer's
 ``forward`` rather than its ``__call__``: the recompute in backward gathers the layer's unit once (the unit module's
 own ``forward`` gathers it, [Note: eager gather and reshard]); eager, aot_eager and Inductor, Llama and Qwen2, a peft
-LoRA model, reentrant and not, on real ranks against the unsharded model with the same switch (layer 3); Inductor's
-case with CPU offload (float64 on 2 ranks). A recompute of part of a unit is refused, naming the fix."""
+LoRA model, reentrant and not, on real ranks against the unsharded model with the same switch (layer 3); frozen
+parameters stay bitwise. Inductor's case is a peft LoRA model with float32 adapters over its float64 base (Inductor's
+kernels on a unit of two dtypes) with CPU offload, on 2 ranks. A recompute of part of a unit is refused, naming the
+fix."""
 
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from fsdp_compile._layout import UNIT, unit_label
 from fsdp_compile.debug import capture_graphs
 from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.hf import VOCAB, add_lora, is_decoder_layer, tiny_causal_lm, train_side_by_side
-from fsdp_compile.testing.reference import CausalLMLoss
+from fsdp_compile.testing.reference import CausalLMLoss, assert_bitwise
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -43,10 +45,12 @@ class Case(NamedTuple):
     """The switch turned on after ``shard()`` (Trainer's order: it enables checkpointing when training starts)."""
     offload: bool = False
     """CPU offload (FSDP2's ``CPUOffloadPolicy``): the shards in host memory, copied for each gather."""
+    float32_adapters: bool = False
+    """LoRA's adapters in float32 over the float64 base: two dtypes in every decoder layer's unit."""
 
 
 CASES = {  # by world size: Llama on 2 ranks, Qwen2 on 3
-    2: [Case("llama", "eager"), Case("llama", "inductor", offload=True), Case("llama", "eager", reentrant=True),
+    2: [Case("llama", "eager"), Case("llama", "inductor", lora=True, offload=True, float32_adapters=True), Case("llama", "eager", reentrant=True),
         Case("llama", "aot_eager", lora=True)],
     3: [Case("qwen2", "eager"), Case("qwen2", "aot_eager"), Case("qwen2", "eager", lora=True, reentrant=True, after_shard=True),
         Case("qwen2", "aot_eager", reentrant=True)],
@@ -60,6 +64,10 @@ def _prepared(case: Case) -> nn.Module:
     if case.lora:
         lm = add_lora(lm)
         lm.enable_input_require_grads()
+    if case.float32_adapters:  # peft runs each adapter in its own dtype, its output added to the base's
+        for name, module in lm.named_modules():
+            if name.endswith(("lora_A.default", "lora_B.default")):
+                module.float()
     return lm
 
 
@@ -73,6 +81,7 @@ def _checkpointed(rank: int, world_size: int, cases: list[Case]) -> None:
         torch._dynamo.reset()
         torch.manual_seed(0)
         base = _prepared(case)
+        frozen = {n: p.detach().clone() for n, p in base.named_parameters() if not p.requires_grad}
         lm = copy.deepcopy(base)
         ref = CausalLMLoss(_checkpointing_on(base, case))
         if not case.after_shard:
@@ -108,9 +117,12 @@ def _checkpointed(rank: int, world_size: int, cases: list[Case]) -> None:
                         for g in graphs if g.stage == "backward"]
             in_layers = [[u for u in graph if u in layers] for graph in gathered]
             assert set().union(*in_layers) == layers and all(len(g) == len(set(g)) for g in in_layers), gathered
+        trained = fsdp_compile.full_state_dict(lm)
+        for name, want in frozen.items():
+            assert_bitwise(trained[name], want, f"{case}: frozen {name}")
         if rank == 0:
             print(f"{case} world {world_size}: worst rel. errors "
-                  + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()))
+                  + ", ".join(f"{k} {v:.1e}" for k, v in worst.items()) + f"; {len(frozen)} frozen tensors bitwise")
         assert all(error <= TOLERANCES[case.compiler] for error in worst.values()), (case, worst)
 
 
