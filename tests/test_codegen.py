@@ -274,27 +274,23 @@ def test_inductor_keeps_the_overlap_schedule(code: list[str]) -> None:
 
 
 @pytest.mark.slow
-def test_without_the_pass_no_all_gather_overlaps_and_without_the_plan_each_has_its_own_output() -> None:
-    """Both options off in one compile (neither claim depends on the other option): no all-gather is in flight
-    during another unit's kernels, and none writes into a slot."""
-    forward, backward = _code(fsdp_compile.backend(overlap=False, memory_plan=False), cfg=LLAMA_TESTS)
+def test_without_the_pass_no_all_gather_overlaps_without_the_plan_each_has_its_own_output_and_cudagraphs_arrive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three options in one compile (no claim depends on another option): without the overlap pass no all-gather is
+    in flight during another unit's kernels; without the memory plan none writes into a slot; ``cudagraphs=True``
+    turns on Inductor's CUDA graphs. On CPU the forward compile records why it skips them (once: the backward
+    compile takes the forward's decision), which shows the setting arrived; on GPUs
+    ``test_parity_nccl_inductor[cudagraphs]`` checks that the graphs run. And ``destroy_process_group()`` frees the
+    CUDA graphs first (else it would wait for them forever on GPUs: ``tests/test_gpu_exit.py``)."""
+    freed: list[int] = []
+    monkeypatch.setattr(torch._inductor.cudagraph_trees, "reset_cudagraph_trees", lambda: freed.append(1))
+    counters.clear()
+    forward, backward = _code(fsdp_compile.backend(overlap=False, memory_plan=False, cudagraphs=True), cfg=LLAMA_TESTS)
     for graph in (forward, backward):
         assert _overlapped_gathers(graph) == 0
         assert SLOT not in graph and AG_OUT not in graph
         assert len(_gathers(graph)) == N_TESTS_UNITS
-
-
-@pytest.mark.slow
-def test_cudagraphs_option_reaches_inductor(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``backend(cudagraphs=True)`` turns on Inductor's CUDA graphs. On CPU the forward compile records why
-    it skips them (once: the backward compile takes the forward's decision), which shows the setting
-    arrived; on GPUs ``test_parity_nccl_inductor[cudagraphs]`` checks that the graphs run. And
-    ``destroy_process_group()`` frees the CUDA graphs first (else it would wait for them forever on GPUs:
-    ``tests/test_gpu_exit.py``)."""
-    freed: list[int] = []
-    monkeypatch.setattr(torch._inductor.cudagraph_trees, "reset_cudagraph_trees", lambda: freed.append(1))
-    counters.clear()
-    _code(fsdp_compile.backend(cudagraphs=True), cfg=LLAMA_TESTS)
     assert counters["inductor"]["cudagraph_skips"] == 1, dict(counters["inductor"])
     assert freed == [1]  # by _code's destroy_process_group()
     # Off by default: test_compile_mode_and_options_reach_inductor_beside_the_passes[options] sees

@@ -207,11 +207,11 @@ def _model(name: str) -> tuple[nn.Module, list[type[nn.Module]]]:
     return (Llama(LLAMA_TESTS), [Block]) if name == "llama" else (Hybrid(), [_Attention, _Mlp])
 
 
-@pytest.mark.parametrize("model", ["llama", "hybrid"])
-def test_the_logged_plan_of_a_compiled_step_is_the_planners_and_safe(fake_pg: None, model: str) -> None:
-    net, units = _model(model)
-    n_units = 1 + len(net.layers)  # the root is a unit too
-    plans, graphs = _step(net, units, "aot_eager", memory_plan=False)  # the graphs as planned
+def _check_logged_plan(model: str, plans: list[dict], graphs: dict[str, fx.Graph]) -> None:
+    """The plans a compiled step logged (forward's, then the step's) are the planner's for its graphs, safe and
+    within their bounds; every unit gathered in forward and again in backward (resharded after forward), and reduced
+    once."""
+    n_units = 1 + len(_model(model)[0].layers)  # the root is a unit too
     forward, step = plans
     print(f"{model}: {_figures(step)}")
     assert forward["graphs"] == ["forward"] and step["graphs"] == ["forward", "backward"]
@@ -219,7 +219,6 @@ def test_the_logged_plan_of_a_compiled_step_is_the_planners_and_safe(fake_pg: No
     assert json.loads(plan.to_json()) == step
     assert hazards(plan) == []
     kinds = [b.kind for b in plan.buffers]
-    # Every unit gathered in forward and again in backward (resharded after forward), and reduced once.
     assert (kinds.count("gathered"), kinds.count("gradient")) == (2 * n_units, n_units)
     assert plan.lower_bound_bytes <= plan.pool_bytes < plan.per_collective_bytes
     if model == "hybrid":
@@ -231,13 +230,16 @@ def test_the_logged_plan_of_a_compiled_step_is_the_planners_and_safe(fake_pg: No
 @pytest.mark.parametrize("model, exchange", [("llama", False), ("hybrid", False), ("llama", True)],
                          ids=["llama", "hybrid", "llama-exchange"])
 def test_applied_every_collective_writes_into_its_slot(fake_pg: None, model: str, exchange: bool) -> None:
-    """The plan applied (the default): the same plans are logged, each graph holds one slot node per slot it
-    uses, every all-gather and gradient exchange writes into a view of its own slot (an exchange is waited for
-    by ``wait_exchange``, which keeps its gradient alive), and no slot is written before the last read of its
+    """The plan logged for the graphs as planned (``memory_plan=False``) is the planner's and safe
+    (``_check_logged_plan``); applied (the default): the same plans are logged, each graph holds one slot node per
+    slot it uses, every all-gather and gradient exchange writes into a view of its own slot (an exchange is waited
+    for by ``wait_exchange``, which keeps its gradient alive), and no slot is written before the last read of its
     previous occupant."""
     with slotted_exchanges():  # as grad_reduce="copy_engine" has them
-        unapplied, _ = _step(*_model(model), "aot_eager", memory_plan=False, exchange=exchange)
+        unapplied, planned = _step(*_model(model), "aot_eager", memory_plan=False, exchange=exchange)
         plans, graphs = _step(*_model(model), "aot_eager", exchange=exchange)
+    if not exchange:  # (exchanges' buffers in the plan: test_an_exchange_is_live_from_its_issue_not_from_its_gradient)
+        _check_logged_plan(model, unapplied, planned)
     assert plans == unapplied
     dtype = torch.bfloat16 if exchange else torch.float32
     for stage, plan in zip(("forward", "backward"), plans):
