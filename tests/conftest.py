@@ -52,8 +52,8 @@ def fake_pg():
 # long file started last would run alone at the end while the other worker idles.
 LONGEST_FIRST = ("test_parity.py", "test_codegen.py", "test_benchmark.py", "test_init_parameters.py",
                  "test_gradient_checkpointing.py", "test_finetune.py", "test_recompiles.py", "test_plan_memory.py",
-                 "test_graphs.py",
-                 "test_failures.py", "test_dcp.py", "test_examples.py", "test_explain.py", "test_shared_bodies.py")
+                 "test_graphs.py", "test_failures.py", "test_dcp.py", "test_examples.py", "test_explain.py",
+                 "test_shared_bodies.py")
 """From tests/budget.py's table of a fresh run (keep it in that order when a file's time changes a lot)."""
 
 
