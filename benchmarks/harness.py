@@ -10,7 +10,8 @@ rank's; every rank's in ``extra``, split into forward and backward, with the gar
 ``profile_steps`` more steps: communication, exposed communication (no other kernel running), compute, copies
 between host and device (CPU offload's) and their exposed part, GPU idle time; the host's peak resident memory
 while the system is built and stepped (sampled; the process's, so what earlier systems left resident counts too:
-``extra["host_start_gib"]`` says how much); compile time (first step minus the median; ``extra["caches"]``: Inductor's and AOTAutograd's cache hits).
+``extra["host_start_gib"]`` says how much); compile time (first step minus the median; ``extra["caches"]``:
+Inductor's and AOTAutograd's cache hits).
 ``trace_dir`` keeps each trace (``trace_summary.py`` reads them); tracing the host slows it, so the profile columns
 then come from slower steps (not the step times: those are untraced); ``trace_kernels_only`` traces the GPU only.
 """

@@ -207,11 +207,10 @@ def _model(name: str) -> tuple[nn.Module, list[type[nn.Module]]]:
     return (Llama(LLAMA_TESTS), [Block]) if name == "llama" else (Hybrid(), [_Attention, _Mlp])
 
 
-def _check_logged_plan(model: str, plans: list[dict], graphs: dict[str, fx.Graph]) -> None:
+def _check_logged_plan(model: str, n_units: int, plans: list[dict], graphs: dict[str, fx.Graph]) -> None:
     """The plans a compiled step logged (forward's, then the step's) are the planner's for its graphs, safe and
-    within their bounds; every unit gathered in forward and again in backward (resharded after forward), and reduced
-    once."""
-    n_units = 1 + len(_model(model)[0].layers)  # the root is a unit too
+    within their bounds; each of the ``n_units`` gathered in forward and again in backward (resharded after
+    forward), and reduced once."""
     forward, step = plans
     print(f"{model}: {_figures(step)}")
     assert forward["graphs"] == ["forward"] and step["graphs"] == ["forward", "backward"]
@@ -235,11 +234,13 @@ def test_applied_every_collective_writes_into_its_slot(fake_pg: None, model: str
     slot it uses, every all-gather and gradient exchange writes into a view of its own slot (an exchange is waited
     for by ``wait_exchange``, which keeps its gradient alive), and no slot is written before the last read of its
     previous occupant."""
+    net, units = _model(model)
+    n_units = 1 + len(net.layers)  # the root is a unit too
     with slotted_exchanges():  # as grad_reduce="copy_engine" has them
-        unapplied, planned = _step(*_model(model), "aot_eager", memory_plan=False, exchange=exchange)
+        unapplied, planned = _step(net, units, "aot_eager", memory_plan=False, exchange=exchange)
         plans, graphs = _step(*_model(model), "aot_eager", exchange=exchange)
     if not exchange:  # (exchanges' buffers in the plan: test_an_exchange_is_live_from_its_issue_not_from_its_gradient)
-        _check_logged_plan(model, unapplied, planned)
+        _check_logged_plan(model, n_units, unapplied, planned)
     assert plans == unapplied
     dtype = torch.bfloat16 if exchange else torch.float32
     for stage, plan in zip(("forward", "backward"), plans):
