@@ -71,8 +71,7 @@ def agree(
     start = next_look = time.monotonic()
     pause = 0.001
     while not store.check(wanted):
-        missing = [q for q in range(world_size) if not store.check([wanted[q]])]
-        stuck = _stuck_rank(store, missing, rank)
+        stuck = _stuck_rank(store, digest, world_size, rank)
         waited = time.monotonic() - start
         blocked = None
         if channel is not None and time.monotonic() >= next_look:  # a rank that waits in a collective for this one
@@ -83,6 +82,7 @@ def agree(
             if store.check(wanted):  # it published this list meanwhile and went on (to the next check, or into a
                 break  # collective): a rank sets its keys in order, so one seen past this check has this list's key
             store.set(f"{_PREFIX}waiting/{rank}", _FAILED + digest)
+            missing = [q for q in range(world_size) if not store.check([wanted[q]])]
             message = _blocked_message(what, rank, *blocked) if blocked else _message(
                 store, what, rank, collectives, stuck, missing, waited)
             raise RanksDisagree(message + hint)
@@ -96,11 +96,15 @@ def _status(store: Any, rank: int) -> str:
     return store.get(key).decode() if store.check([key]) else ""
 
 
-def _stuck_rank(store: Any, missing: list[int], rank: int) -> int | None:
-    """One of the ``missing`` ranks (those that have not published this rank's list) that never will: it waits
-    for a list this rank (itself waiting) never published, or it gave up. None while they all still could."""
-    for other in missing:
+def _stuck_rank(store: Any, digest: str, world_size: int, rank: int) -> int | None:
+    """A rank that has not published this rank's list (``digest``) and never will: it waits for a list this
+    rank (itself waiting) never published, or it gave up. None while they all still could. Each rank's status
+    is read before its key for this list: a rank that publishes this list, then gives up because of a third
+    rank, is seen to have published it, not taken for the one that differs."""
+    for other in range(world_size):
         status = _status(store, other)
+        if store.check([f"{_PREFIX}has/{digest}/{other}"]):
+            continue
         if status.startswith(_FAILED):
             return other
         if status and not store.check([f"{_PREFIX}has/{status}/{rank}"]):

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import fsdp_compile
-from fsdp_compile._agree import agree
+from fsdp_compile._agree import _FAILED, _PREFIX, _stuck_rank, agree
 from fsdp_compile.config import BackendConfig
 from fsdp_compile.testing.dist import run_ranks, spawn_ranks
 from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama, LlamaConfig
@@ -149,6 +149,17 @@ def _agree_protocol(rank: int, world_size: int) -> None:
 
 def test_agree_waits_only_while_the_lists_can_still_match() -> None:
     run_ranks(_agree_protocol, 3)
+
+
+def test_a_rank_that_published_the_same_list_then_gave_up_is_not_named_as_the_one_that_differs() -> None:
+    # What rank 1 can see in the protocol above: rank 0 published rank 1's list, then gave up because of rank 2,
+    # which waits for a list rank 1 never published. Rank 1 must name rank 2.
+    store = dist.HashStore()
+    for digest, rank in (("ours", 0), ("ours", 1), ("theirs", 2)):
+        store.set(f"{_PREFIX}has/{digest}/{rank}", "1")
+    for rank, status in ((0, _FAILED + "ours"), (1, "ours"), (2, "theirs")):
+        store.set(f"{_PREFIX}waiting/{rank}", status)
+    assert _stuck_rank(store, "ours", 3, 1) == 2
 
 
 def _rank_1_dies(rank: int, world_size: int, compiled: bool) -> None:
