@@ -71,7 +71,7 @@ def agree(
     start = next_look = time.monotonic()
     pause = 0.001
     while not store.check(wanted):
-        stuck = _stuck_rank(store, digest, world_size, rank)
+        stuck = _stuck_rank(store, wanted, rank)
         waited = time.monotonic() - start
         blocked = None
         if channel is not None and time.monotonic() >= next_look:  # a rank that waits in a collective for this one
@@ -96,14 +96,16 @@ def _status(store: Any, rank: int) -> str:
     return store.get(key).decode() if store.check([key]) else ""
 
 
-def _stuck_rank(store: Any, digest: str, world_size: int, rank: int) -> int | None:
-    """A rank that has not published this rank's list (``digest``) and never will: it waits for a list this
-    rank (itself waiting) never published, or it gave up. None while they all still could. Each rank's status
-    is read before its key for this list: a rank that publishes this list, then gives up because of a third
-    rank, is seen to have published it, not taken for the one that differs."""
-    for other in range(world_size):
+def _stuck_rank(store: Any, wanted: list[str], rank: int) -> int | None:
+    """A rank that has not published this rank's list (its key in ``wanted``, one a rank) and never will: it waits
+    for a list this rank (itself waiting) never published, or it gave up. None while they all still could. A
+    peer's key is looked at again after its status: a rank sets its key first, so a peer that published this list
+    meanwhile and went on (to its next list, or gave up because of a third rank) is not taken for one that differs."""
+    for other, key in enumerate(wanted):
+        if store.check([key]):
+            continue
         status = _status(store, other)
-        if store.check([f"{_PREFIX}has/{digest}/{other}"]):
+        if store.check([key]):
             continue
         if status.startswith(_FAILED):
             return other

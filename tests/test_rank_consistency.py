@@ -159,7 +159,7 @@ def test_a_rank_that_published_the_same_list_then_gave_up_is_not_named_as_the_on
         store.set(f"{_PREFIX}has/{digest}/{rank}", "1")
     for rank, status in ((0, _FAILED + "ours"), (1, "ours"), (2, "theirs")):
         store.set(f"{_PREFIX}waiting/{rank}", status)
-    assert _stuck_rank(store, "ours", 3, 1) == 2
+    assert _stuck_rank(store, [f"{_PREFIX}has/ours/{rank}" for rank in range(3)], 1) == 2
 
 
 def _rank_1_dies(rank: int, world_size: int, compiled: bool) -> None:
