@@ -156,7 +156,8 @@ def main(rank: int, world_size: int, args: argparse.Namespace) -> None:
                 json.dump(results, f, indent=1)
 
 
-if __name__ == "__main__":
+def arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line's options (``argv``: the process's if None)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="tiny")
     parser.add_argument("--rank", type=int, default=8, help="LoRA's rank r")
@@ -168,7 +169,11 @@ if __name__ == "__main__":
     parser.add_argument("--offload", action="store_true", help="then the model sharded with CPU offload")
     parser.add_argument("--save", help="a folder for the adapters (default: a temporary one)")
     parser.add_argument("--json", help="write the measurements here")
-    args = parser.parse_args()
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    args = arguments()
     if "RANK" in os.environ:  # torchrun
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

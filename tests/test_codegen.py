@@ -300,10 +300,12 @@ def test_without_the_pass_no_all_gather_overlaps_without_the_plan_each_has_its_o
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "compile_options, expected",
-    [
-        ({"mode": "max-autotune"}, {"max_autotune": True, "coordinate_descent_tuning": True}),
-        ({"options": {"epilogue_fusion": False, "max_autotune": True}},
-         {"epilogue_fusion": False, "max_autotune": True, "triton.cudagraphs": False}),  # CUDA graphs off by default
+    [  # settings that leave the CPU kernels as they are (Inductor's cache has them): max-autotune's GEMM tuning
+        # would build kernels of its own (mode="max-autotune" reaches Inductor in test_parity_inductor[float64-...])
+        ({"mode": "reduce-overhead"}, {"triton.cudagraphs": True}),
+        ({"options": {"epilogue_fusion": False, "coordinate_descent_tuning": True}},
+         {"epilogue_fusion": False, "coordinate_descent_tuning": True, "triton.cudagraphs": False}),  # CUDA graphs
+        # off by default
     ],
     ids=["mode", "options"],
 )

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import copy
 import pathlib
-import subprocess
-import sys
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -23,11 +21,13 @@ from fsdp_compile.debug import capture_graphs
 from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.hf import VOCAB, add_lora, is_decoder_layer, tiny_causal_lm, train_side_by_side, trainable
 from fsdp_compile.testing.reference import CausalLMLoss, assert_bitwise
+from fsdp_compile.testing.scripts import load_script, run_script_main
 
 pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 LAYERS = 2
 STEPS = 2
+EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
 RS, A2A = torch.ops._c10d_functional.reduce_scatter_tensor.default, torch.ops._c10d_functional.all_to_all_single.default
 AG = (torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops.fsdp_compile.all_gather_into_slot.default)
 
@@ -62,8 +62,8 @@ CASES = {
     # A frozen unit (the first layer) and a frozen embedding in the root unit beside trainable parameters.
     "first_half_and_embedding_frozen": Case(lambda: tiny_causal_lm(layers=LAYERS),
                                             lambda lm: _frozen_embedding(_first_half_frozen(lm)), torch.float64),
-    "lora_llama": Case(lambda: tiny_causal_lm(layers=LAYERS), add_lora, torch.float64),
-    # (peft's LoRA on Qwen2, its q and v projections with biases: tests/test_gradient_checkpointing.py's world 3.)
+    # peft's LoRA over a bf16 base (float64 LoRA, on Qwen2 with its q and v projections' biases too:
+    # tests/test_gradient_checkpointing.py's aot_eager case).
     "lora_bf16_base_fp32_adapters": Case(lambda: tiny_causal_lm(dtype=torch.bfloat16, layers=LAYERS), add_lora,
                                          torch.bfloat16),
 }
@@ -246,11 +246,14 @@ def test_gradient_accumulation_keeps_no_accumulator_for_a_frozen_group(fake_pg: 
 
 @pytest.mark.slow
 def test_the_lora_example_trains_saves_and_reloads_the_adapters(tmp_path: pathlib.Path) -> None:
-    """``examples/lora.py`` as docs/finetuning.md runs it (aot_eager, to be quick): the adapters alone are reduced,
-    saved with ``save_pretrained`` and reloaded onto an unsharded base, bitwise."""
-    run = [sys.executable, "examples/lora.py", "--compiler", "aot_eager", "--steps", "1", "--save", str(tmp_path)]
-    proc = subprocess.run(run, cwd=pathlib.Path(__file__).parents[1], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "4,096 trainable (3.12%); backward reduces 4,096 elements" in proc.stdout, proc.stdout
-    assert "adapters: 8 tensors saved and reloaded onto an unsharded base, bitwise equal" in proc.stdout
+    """``examples/lora.py`` with docs/finetuning.md's options (aot_eager, to be quick), its ``main`` on the suite's 2
+    ranks (its command line spawns them as examples/big_model.py's does, which test_init_parameters.py runs): the
+    adapters alone are reduced, saved with ``save_pretrained`` and reloaded onto an unsharded base, bitwise."""
+    script = str(EXAMPLES / "lora.py")
+    args = load_script(script).arguments(["--compiler", "aot_eager", "--steps", "1", "--save", str(tmp_path)])
+    out = str(tmp_path / "out")
+    run_ranks(run_script_main, 2, script, out, args)
+    stdout = pathlib.Path(f"{out}.0").read_text()
+    assert "4,096 trainable (3.12%); backward reduces 4,096 elements" in stdout, stdout
+    assert "adapters: 8 tensors saved and reloaded onto an unsharded base, bitwise equal" in stdout
     assert (tmp_path / "adapter_model.safetensors").exists()

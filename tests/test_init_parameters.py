@@ -3,9 +3,7 @@ writes after ``shard()`` reach the shard or raise; ranks that start from differe
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import importlib.util
 import json
 import os
 import pathlib
@@ -21,6 +19,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import fsdp_compile
 from fsdp_compile._agree import fingerprint
 from fsdp_compile.testing.dist import run_ranks
+from fsdp_compile.testing.scripts import run_script_main
 from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama, init_weights
 from fsdp_compile.testing.reference import assert_bitwise, reference_step, rel_error
 from fsdp_compile.testing.snapshot import assert_unchanged, module_snapshot
@@ -285,15 +284,6 @@ def test_a_7b_shaped_model_built_on_meta_is_initialised_on_rank_0_of_64_in_under
     assert result["growth"] < 2 * 2**30
 
 
-def _example_main(rank: int, world_size: int, script: str, out: str, *args: object) -> None:
-    """``main(rank, world_size, *args)`` of an example script, what it prints into ``out.<rank>``."""
-    spec = importlib.util.spec_from_file_location(pathlib.Path(script).stem, script)
-    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
-    with open(f"{out}.{rank}", "w") as f, contextlib.redirect_stdout(f):
-        module.main(rank, world_size, *args)
-
-
 @pytest.mark.slow
 def test_the_big_model_example_initialises_saves_and_loads_the_same_model(tmp_path: "pathlib.Path") -> None:
     """The first run as docs/big-models.md runs it (it spawns its ranks); the second, which loads what the first
@@ -303,7 +293,7 @@ def test_the_big_model_example_initialises_saves_and_loads_the_same_model(tmp_pa
     first = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr[-3000:]
     out = str(tmp_path / "second")
-    run_ranks(_example_main, 2, os.path.join(ROOT, "examples", "big_model.py"), out, "tiny", checkpoint, 2,
+    run_ranks(run_script_main, 2, os.path.join(ROOT, "examples", "big_model.py"), out, "tiny", checkpoint, 2,
               "aot_eager", "meta", "adamw")
     second = [pathlib.Path(f"{out}.{rank}").read_text() for rank in (0, 1)]
     assert "rank 0: initialised by init_parameters; set-up peak" in first.stdout

@@ -288,8 +288,10 @@ def test_parity_cpu_offload(compiler: str, world_size: int) -> None:
 
 
 def test_parity_without_the_overlap_pass_or_the_memory_plan() -> None:
-    """Both off: the collectives where the graph has them (no prefetch), each all-gather into its own buffer."""
-    case = Case("aot_eager", torch.float64, torch.float64, steps=3, overlap=False, memory_plan=False)
+    """Both off: the collectives where the graph has them (no prefetch), each all-gather into its own buffer; with
+    selective activation checkpointing compiled (eager: test_parity_selective_activation_checkpointing)."""
+    case = Case("aot_eager", torch.float64, torch.float64, steps=3, overlap=False, memory_plan=False,
+                checkpoint="selective")
     run_ranks(_train_and_compare, 2, case)
 
 
@@ -346,19 +348,16 @@ def test_parity_graph_break_inside_units() -> None:
 
 @pytest.mark.parametrize("gradient_sync", [True, False], ids=["sync-each", "reduce-once"])
 def test_parity_gradient_accumulation(gradient_sync: bool) -> None:
-    case = Case("aot_eager", torch.float64, torch.float64, steps=3, micro_batches=3, gradient_sync=gradient_sync)
+    """Three micro-batches, reduced each (and with activation checkpointing around every block) or once."""
+    case = Case("aot_eager", torch.float64, torch.float64, steps=3, micro_batches=3, gradient_sync=gradient_sync,
+                checkpoint=gradient_sync)
     run_ranks(_train_and_compare, 2, case)
 
 
-def test_parity_activation_checkpointing() -> None:
-    run_ranks(_train_and_compare, 2, Case("aot_eager", steps=3, checkpoint=True))
-
-
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
-def test_parity_selective_activation_checkpointing(compiler: str) -> None:
-    """A policy that saves the matmuls (torchtitan's kind): the gathered parameters are still not saved."""
-    case = Case(compiler, torch.float64, torch.float64, steps=3, checkpoint="selective")
-    run_ranks(_train_and_compare, 2, case)
+def test_parity_selective_activation_checkpointing() -> None:
+    """A policy that saves the matmuls (torchtitan's kind), eager (compiled: test_parity_without_the_overlap_pass_or_
+    the_memory_plan; the gathered parameters not saved: tests/test_graphs.py)."""
+    run_ranks(_train_and_compare, 2, Case("eager", torch.float64, torch.float64, steps=3, checkpoint="selective"))
 
 
 @pytest.mark.parametrize("compiler", ["eager", "aot_eager"])

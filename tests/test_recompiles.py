@@ -146,10 +146,12 @@ def _soak(rank: int, world_size: int, steps: int, device: str, recompiles_first:
     graphs = trainer.backend.graphs
     memory: dict[int, tuple[int, ...]] = {}
     first_live: dict[int, tuple[Any, ...]] = {}  # id -> shape, dtype, is a view: the first count's tensors
+    tenth = steps // 10
     for step in range(steps):
         trainer.train(2, 8 - step % 3)  # three shapes: a dynamic graph, compiled in the first steps
-        if step % (steps // 10) == steps // 10 - 1:
+        if step % tenth == tenth - 1:
             trainer.evaluate(2, 8)
+        if step in (tenth - 1, steps - 1):  # after the first tenth and the last (a count of live tensors is slow)
             tensors = _live_tensors(len(first_live) if first_live else None)
             first_live = first_live or tensors
             memory[step] = (
