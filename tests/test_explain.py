@@ -107,6 +107,13 @@ def test_the_dump_folder_holds_every_pass_and_plan_for_each_rank_and_graph(dump:
         assert "# The unit of each collective:" in after and "layers.0" in after
         units = json.loads((graph / names[1]).read_text())
         assert [u["fqn"] for u in units] == ["", "layers.0", "layers.1"]
+        # The memory plans Inductor's post-grad graphs logged: forward's, then the step's (forward and backward).
+        plans = [json.loads((graph / names[STAGE_FILES.index(f"{stage}_plan_memory_plan.json")]).read_text())
+                 for stage in ("forward", "backward")]
+        assert [plan["graphs"] for plan in plans] == [["forward"], ["forward", "backward"]]
+        step = plans[1]
+        assert len(step["buffers"]) == 3 * len(units)  # each unit gathered in forward, again in backward, reduced
+        assert step["lower_bound_bytes"] <= step["pool_bytes"] <= min(step["maxpool_bytes"], step["per_collective_bytes"])
         events = [json.loads(line) for line in (dump / f"rank{rank}" / "events.jsonl").read_text().splitlines()]
         assert any(e["event"] == "compilation_metrics" and e["graph"] == graph.name for e in events)
 

@@ -161,16 +161,9 @@ HABITS = {
 }
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("habit", list(HABITS))
-def test_an_in_place_write_after_shard_raises_naming_init_parameters(fake_pg: None, compiled: bool, habit: str) -> None:
-    """FSDP2's habits of writing parameters after sharding: the write would change a gathered copy and be lost."""
-    torch.manual_seed(0)
-    model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
-    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager")) if compiled else model
-    tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, 8))
-    if compiled:
-        run(tokens, tokens).backward()
+def _refused(model: nn.Module, habit: str) -> None:
+    """``HABITS[habit]`` on the sharded ``model`` raises, outside ``summon_full_params`` and inside it without
+    writeback, each naming the fix, and leaves every parameter as it was."""
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     # Outside forward a full parameter is not even read (it would be an all-gather on this rank alone).
     with pytest.raises(RuntimeError, match=r"was read outside the sharded model's forward.*summon_full_params.*"
@@ -184,6 +177,23 @@ def test_an_in_place_write_after_shard_raises_naming_init_parameters(fake_pg: No
                                                r"writeback=False\).*writeback=True"):
             HABITS[habit](model)
     assert_bitwise({name: p.detach() for name, p in model.named_parameters()}, before)
+
+
+@pytest.mark.parametrize("habit", list(HABITS))
+def test_an_in_place_write_after_shard_raises_naming_init_parameters(fake_pg: None, habit: str) -> None:
+    """FSDP2's habits of writing parameters after sharding: the write would change a gathered copy and be lost."""
+    torch.manual_seed(0)
+    _refused(fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block]), habit)
+
+
+def test_after_a_compiled_step_every_in_place_write_habit_is_refused_as_before(fake_pg: None) -> None:
+    """The same habits after a compiled training step (one compile for all of them)."""
+    torch.manual_seed(0)
+    model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
+    tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, 8))
+    torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))(tokens, tokens).backward()
+    for habit in HABITS:
+        _refused(model, habit)
 
 
 def _train_like_the_reference(rank: int, world_size: int, cfg) -> None:

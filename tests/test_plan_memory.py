@@ -294,20 +294,6 @@ def test_with_exchanges_in_slots_the_ranks_key_inductors_caches_apart() -> None:
     assert uuids[0][0] != uuids[1][0] and uuids[0][1:] == uuids[1][1:]
 
 
-@pytest.mark.slow
-def test_inductor_logs_the_plan_of_its_post_grad_graphs(fake_pg: None) -> None:
-    torch.manual_seed(0)
-    plans, _ = _step(Hybrid(), [_Attention, _Mlp], "inductor")
-    assert [p["graphs"] for p in plans] == [["forward"], ["forward", "backward"]]
-    step = plans[1]
-    print(f"hybrid, Inductor: {_figures(step)}")
-    assert len(step["buffers"]) == 3 * 7
-    assert step["lower_bound_bytes"] <= step["pool_bytes"] < step["maxpool_bytes"]
-    assert step["pool_bytes"] <= step["per_collective_bytes"]
-    # No order between maxpool and per_collective: written in place, a unit's flat gradient is live from its
-    # first matmul to its reduction, so more gradient buffers overlap and maxpool counts more of the largest
-
-
 def test_write_into_slots_when_the_graph_starts_with_a_cast_it_removes() -> None:
     """The 0.95B benchmark's forward starts with a unit's cast to bf16, which the all-gather into a slot takes
     over (and removes): every slot node must still land in the graph (a slot inserted before the removed cast
