@@ -19,9 +19,9 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import fsdp_compile
 from fsdp_compile._agree import fingerprint
 from fsdp_compile.testing.dist import run_ranks
-from fsdp_compile.testing.scripts import run_script_main
 from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama, init_weights
 from fsdp_compile.testing.reference import assert_bitwise, reference_step, rel_error
+from fsdp_compile.testing.scripts import run_script_main
 from fsdp_compile.testing.snapshot import assert_unchanged, module_snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
