@@ -11,6 +11,7 @@ import functools
 import importlib
 import logging
 import re
+from collections.abc import Iterable
 
 import pytest
 import torch
@@ -33,6 +34,34 @@ AG_OUT = "extern_kernels.fsdp_compile_all_gather_into_slot("  # the op's functio
 SLOT = "torch.ops.fsdp_compile.slot.default("
 A2A = "torch.ops._c10d_functional.all_to_all_single.default("
 EXCHANGE = "extern_kernels.fsdp_compile_exchange_into_slot("
+
+
+# Settings that leave the CPU kernels as they are (Inductor's cache has them): max-autotune's GEMM tuning would build
+# kernels of its own (mode="max-autotune" reaches Inductor in test_parity_inductor[float64-...]). Each carries a
+# test's compile; CUDA graphs are off by default.
+MODE = {"mode": "reduce-overhead"}, {"triton.cudagraphs": True}
+OPTIONS = ({"options": {"epilogue_fusion": False, "coordinate_descent_tuning": True}},
+           {"epilogue_fusion": False, "coordinate_descent_tuning": True, "triton.cudagraphs": False})
+
+
+def _settings_seen(monkeypatch: pytest.MonkeyPatch, names: Iterable[str]) -> list[tuple[dict, bool]]:
+    """``torch.compile(..., backend="fsdp_compile", mode=...)`` (or ``options=``) must reach Inductor beside the
+    passes: for each graph Inductor compiles from now on, (the settings ``names`` had, whether fsdp_compile's
+    post-grad pass was set)."""
+    from torch._inductor import config as inductor_config
+
+    from fsdp_compile import _internals
+
+    seen: list[tuple[dict, bool]] = []
+    real = _internals.compile_fx_inner
+
+    def spy(gm: torch.fx.GraphModule, example_inputs: object, **kwargs: object) -> object:
+        settings = {name: functools.reduce(getattr, name.split("."), inductor_config) for name in names}
+        seen.append((settings, inductor_config.post_grad_custom_post_pass is not None))
+        return real(gm, example_inputs, **kwargs)
+
+    monkeypatch.setattr(_internals, "compile_fx_inner", spy)
+    return seen
 
 
 def _code(
@@ -173,14 +202,22 @@ def _uses_while_in_flight(code: str) -> list[str]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("checkpoint", [False, True], ids=["plain", "checkpointed"])
-def test_no_kernel_uses_a_slot_while_its_all_gather_is_in_flight(code: list[str], checkpoint: bool) -> None:
+def test_no_kernel_uses_a_slot_while_its_all_gather_is_in_flight(
+    code: list[str], checkpoint: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The memory plan's order survives Inductor. Under activation checkpointing the backward recomputes each block
     beside the next unit's prefetched all-gather; Inductor had moved the read of the final norm's weight (a
     pointwise op, computed only when its consumer, a reduction after the recomputation, needed it) past the next
     all-gather into that slot: the norms' gradients came out wrong (now `_internals.step_ops.step_op` lowers every
     op that writes an argument after the reads of its old value; with that lowering switched off, a fused kernel of
-    the 2-block model's backward reads a slot while its all-gather is in flight, as on 4 blocks)."""
-    for graph in _code("fsdp_compile", checkpoint=True, cfg=LLAMA_TESTS) if checkpoint else code:
+    the 2-block model's backward reads a slot while its all-gather is in flight, as on 4 blocks). The checkpointed
+    model is compiled with ``mode="reduce-overhead"``: a compile mode reaches Inductor, for both graphs, beside the
+    passes."""
+    if checkpoint:
+        (compile_options, expected), seen = MODE, _settings_seen(monkeypatch, MODE[1])
+        code = _code("fsdp_compile", checkpoint=True, cfg=LLAMA_TESTS, **compile_options)
+        assert seen == [(expected, True)] * 2 and _overlapped_gathers(code[1]) == N_TESTS_UNITS - 1  # schedule kept
+    for graph in code:
         assert _uses_while_in_flight(graph) == []
 
 
@@ -241,14 +278,20 @@ def test_a_step_op_stays_a_call_where_torch_cannot_call_its_function(
 
 
 @pytest.mark.slow
-def test_each_slotted_exchange_keeps_its_gradient_until_it_is_waited_for_and_then_summed() -> None:
+def test_each_slotted_exchange_keeps_its_gradient_until_it_is_waited_for_and_then_summed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """With the exchanges in slots (what ``grad_reduce="copy_engine"`` applies; its copy engines need GPUs, so
     here the slotted NCCL-route op), each exchange reads its gradient on another stream: Inductor must not free
     the gradient, nor hand its memory to another buffer, before ``wait_exchange`` (which takes it for that).
     The slot holds the peers' parts only: after the wait, the first kernel sums them with this rank's own part,
-    read from the gradient (no copy of it)."""
+    read from the gradient (no copy of it). Compiled with ``options=``: Inductor's settings reach it, for both
+    graphs, beside the passes (and CUDA graphs stay off by default)."""
+    (compile_options, expected), seen = OPTIONS, _settings_seen(monkeypatch, OPTIONS[1])
     with slotted_exchanges():
-        backward = _code("fsdp_compile", cfg=LLAMA_TESTS)[1]
+        forward, backward = _code("fsdp_compile", cfg=LLAMA_TESTS, **compile_options)
+    assert seen == [(expected, True)] * 2 and len(_gathers(forward)) == N_TESTS_UNITS
+    assert _overlapped_gathers(backward) == N_TESTS_UNITS - 1  # the overlap schedule kept
     exchanges = re.findall(rf"^\s*({re.escape(EXCHANGE)}(buf\d+), \d+, '\d+', out=(.+)\))$", backward, re.MULTILINE)
     assert len(exchanges) == N_TESTS_UNITS and A2A not in backward
     for line, gradient, out in exchanges:
@@ -294,44 +337,8 @@ def test_without_the_pass_no_all_gather_overlaps_without_the_plan_each_has_its_o
         assert len(_gathers(graph)) == N_TESTS_UNITS
     assert counters["inductor"]["cudagraph_skips"] == 1, dict(counters["inductor"])
     assert freed == [1]  # by _code's destroy_process_group()
-    # Off by default: test_compile_mode_and_options_reach_inductor_beside_the_passes[options] sees
+    # Off by default: test_each_slotted_exchange_keeps_its_gradient_until_it_is_waited_for_and_then_summed sees
     # triton.cudagraphs False in both compiles.
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "compile_options, expected",
-    [  # settings that leave the CPU kernels as they are (Inductor's cache has them): max-autotune's GEMM tuning
-        # would build kernels of its own (mode="max-autotune" reaches Inductor in test_parity_inductor[float64-...])
-        ({"mode": "reduce-overhead"}, {"triton.cudagraphs": True}),
-        ({"options": {"epilogue_fusion": False, "coordinate_descent_tuning": True}},
-         {"epilogue_fusion": False, "coordinate_descent_tuning": True, "triton.cudagraphs": False}),  # CUDA graphs
-        # off by default
-    ],
-    ids=["mode", "options"],
-)
-def test_compile_mode_and_options_reach_inductor_beside_the_passes(
-    monkeypatch: pytest.MonkeyPatch, compile_options: dict, expected: dict
-) -> None:
-    """``torch.compile(..., backend="fsdp_compile", mode=...)`` (or ``options=``): Inductor compiles both graphs
-    with those settings, and fsdp_compile's passes still run."""
-    from torch._inductor import config as inductor_config
-
-    from fsdp_compile import _internals
-
-    seen = []
-    real = _internals.compile_fx_inner
-
-    def spy(gm: torch.fx.GraphModule, example_inputs: object, **kwargs: object) -> object:
-        settings = {name: functools.reduce(getattr, name.split("."), inductor_config) for name in expected}
-        seen.append((settings, inductor_config.post_grad_custom_post_pass is not None))
-        return real(gm, example_inputs, **kwargs)
-
-    monkeypatch.setattr(_internals, "compile_fx_inner", spy)
-    forward, backward = _code("fsdp_compile", cfg=LLAMA_TESTS, **compile_options)
-    assert seen == [(expected, True)] * 2
-    assert len(_gathers(forward)) == N_TESTS_UNITS
-    assert _overlapped_gathers(backward) == N_TESTS_UNITS - 1  # the overlap schedule survived
 
 
 @pytest.mark.parametrize(
