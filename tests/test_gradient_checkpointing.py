@@ -2,9 +2,9 @@
 ``forward`` rather than its ``__call__``: the recompute in backward gathers the layer's unit once (the unit module's
 own ``forward`` gathers it, [Note: eager gather and reshard]); eager, aot_eager and Inductor, Llama and Qwen2, a peft
 LoRA model, reentrant and not, on real ranks against the unsharded model with the same switch (layer 3); frozen
-parameters stay bitwise. Inductor's case is a peft LoRA model with float32 adapters over its float64 base (Inductor's
-kernels on a unit of two dtypes) with CPU offload. All on 2 ranks (3, whose shards are padded: tests/test_finetune.py).
-A recompute of part of a unit is refused, naming the fix."""
+parameters stay bitwise. Inductor's case is a one-layer peft LoRA model with float32 adapters over its float64 base
+(Inductor's kernels on a unit of two dtypes) with CPU offload. All on 2 ranks (3, whose shards are padded:
+tests/test_finetune.py). A recompute of part of a unit is refused, naming the fix."""
 
 from __future__ import annotations
 
@@ -48,10 +48,14 @@ class Case(NamedTuple):
     """CPU offload (FSDP2's ``CPUOffloadPolicy``): the shards in host memory, copied for each gather."""
     float32_adapters: bool = False
     """LoRA's adapters in float32 over the float64 base: two dtypes in every decoder layer's unit."""
+    layers: int = 2
+    """Decoder layers. Inductor's case has one (its claims are Inductor's code for a layer; a second about doubles
+    its compile); two layers' recomputes, each gathering its own unit once, are the other cases' (aot_eager's
+    compiled)."""
 
 
 CASES = [  # compiled with LoRA, as fine-tuning recipes checkpoint
-    Case("llama", "eager"), Case("llama", "inductor", lora=True, offload=True, float32_adapters=True),
+    Case("llama", "eager"), Case("llama", "inductor", lora=True, offload=True, float32_adapters=True, layers=1),
     Case("llama", "eager", reentrant=True),
     # Qwen2: LoRA on q and v projections with biases; the switch turned on after shard()
     Case("qwen2", "eager", lora=True, reentrant=True, after_shard=True), Case("qwen2", "aot_eager", lora=True, reentrant=True),
@@ -61,7 +65,7 @@ CASES = [  # compiled with LoRA, as fine-tuning recipes checkpoint
 def _prepared(case: Case) -> nn.Module:
     """The model as Hugging Face's fine-tuning recipe prepares it: LoRA's adapters (and, as peft's docs say for
     checkpointing, inputs that require a gradient: the embedding is frozen)."""
-    lm = tiny_causal_lm(case.family)
+    lm = tiny_causal_lm(case.family, layers=case.layers)
     if case.lora:
         lm = add_lora(lm)
         lm.enable_input_require_grads()
