@@ -28,16 +28,17 @@ def _worker_threads(rank: int, world_size: int) -> None:
     assert gathered.tolist() == [float(sum(range(world_size)))] * 3 * world_size
 
 
-def test_gloo_groups_run_their_collectives_on_one_worker_thread() -> None:
-    spawn_ranks(_worker_threads, 2)
-
-
 def _environment(rank: int, world_size: int, caller: int, expected: dict[str, str | None], forked: bool) -> None:
     assert {name: os.environ.get(name) for name in expected} == expected
     assert (os.getppid() != caller) == forked, "forked from the server" if forked else "spawned by the caller"
+    _worker_threads(rank, world_size)
 
 
-def test_gloo_ranks_are_forked_from_a_server_with_the_callers_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_gloo_ranks_are_forked_from_a_server_with_the_callers_environment_and_one_worker_thread(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Each call's ranks, forked or spawned, see the caller's environment, and their gloo groups run their
+    collectives on one worker thread."""
     monkeypatch.setenv("SPAWN_RANKS_PROBE", "set after the server started, maybe")
     spawn_ranks(_environment, 2, os.getpid(), {"SPAWN_RANKS_PROBE": "set after the server started, maybe"}, True)
     monkeypatch.delenv("SPAWN_RANKS_PROBE")
