@@ -23,12 +23,11 @@ from torch.testing import FileCheck
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import fsdp_compile
-from fsdp_compile.testing.graphs import compile_and_capture, slotted_exchanges
+from fsdp_compile.testing.graphs import BF16_FP32_REDUCE, compile_and_capture, slotted_exchanges
 from fsdp_compile.testing.llama import LLAMA_TESTS, LLAMA_TINY, Block, Llama, LlamaConfig
 
 N_UNITS = LLAMA_TINY.n_layers + 1  # the fixture's model: slots reused across 5 units
 N_TESTS_UNITS = LLAMA_TESTS.n_layers + 1  # the variants' (2 blocks)
-BF16_FP32_REDUCE = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 AG = "torch.ops._c10d_functional.all_gather_into_tensor.default("
 AG_OUT = "extern_kernels.fsdp_compile_all_gather_into_slot("  # the op's function, called directly
 SLOT = "torch.ops.fsdp_compile.slot.default("
@@ -95,7 +94,8 @@ def code() -> list[str]:
 
 @pytest.fixture(scope="module")
 def whole_code() -> list[str]:
-    """The whole step as one graph (``regions=False``): every block's code written out in the step's code."""
+    """The whole step as one graph (``regions=False``): every block's code written out in the step's code (the graphs
+    of tests/test_explain.py's dump, which reuses these kernels)."""
     return _code(fsdp_compile.backend(regions=False), cfg=LLAMA_TESTS)
 
 

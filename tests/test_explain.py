@@ -22,7 +22,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import fsdp_compile
 from fsdp_compile import _dump, _pictures, explain
 from fsdp_compile.__main__ import main as fsdp_compile_command
-from fsdp_compile.testing.graphs import compile_and_capture
+from fsdp_compile.testing.graphs import BF16_FP32_REDUCE, compile_and_capture
 from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -41,7 +41,7 @@ STAGE_FILES = [
 """The files of one compiled graph, in the order they are logged (each numbered NN_ in front)."""
 
 
-def _compile_and_trace(root: Path, rank: int, backend: object = "fsdp_compile") -> None:
+def _compile_and_trace(root: Path, rank: int, backend: object, mp: fsdp_compile.MixedPrecision) -> None:
     """As ``rank`` of 2 (fake process group): compile a tiny sharded Llama (the dump on, as
     ``FSDP_COMPILE_DUMP`` turns it on), train a step, then trace one more step with the CPU profiler into
     ``root/trace_rank<rank>.json``."""
@@ -49,7 +49,7 @@ def _compile_and_trace(root: Path, rank: int, backend: object = "fsdp_compile") 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=2)
     try:
         torch.manual_seed(0)
-        model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block])
+        model = fsdp_compile.shard(Llama(LLAMA_TESTS), units=[Block], mp=mp)
         compiled = torch.compile(model, backend=backend, fullgraph=True)
         tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (2, 8))
         compiled(tokens, tokens).backward()
@@ -60,11 +60,16 @@ def _compile_and_trace(root: Path, rank: int, backend: object = "fsdp_compile") 
         dist.destroy_process_group()
 
 
-def _dumped(root: Path, backend: object, ranks: tuple[int, ...] = (0, 1)) -> Path:
+def _dumped(
+    root: Path,
+    backend: object,
+    ranks: tuple[int, ...] = (0, 1),
+    mp: fsdp_compile.MixedPrecision = fsdp_compile.MixedPrecision(),
+) -> Path:
     _dump.enable(root)
     try:
         for rank in ranks:
-            _compile_and_trace(root, rank, backend)
+            _compile_and_trace(root, rank, backend, mp)
     finally:
         _dump.disable(root)
     return root
@@ -72,8 +77,9 @@ def _dumped(root: Path, backend: object, ranks: tuple[int, ...] = (0, 1)) -> Pat
 
 @pytest.fixture(scope="module")
 def dump(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The whole step as one graph: every file and line this file checks (the shared bodies' own: below)."""
-    return _dumped(tmp_path_factory.mktemp("dump"), fsdp_compile.backend(regions=False))
+    """The whole step as one graph: every file and line this file checks (the shared bodies' own: below). bf16
+    parameters, fp32 reduction: tests/test_codegen.py's ``whole_code`` graphs, whose kernels Inductor has built."""
+    return _dumped(tmp_path_factory.mktemp("dump"), fsdp_compile.backend(regions=False), mp=BF16_FP32_REDUCE)
 
 
 @pytest.mark.slow
@@ -124,9 +130,10 @@ def test_explain_prints_the_units_the_collectives_the_memory_plan_and_draws_the_
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "ranks [0, 1]; rank 0 shown" in out
-    assert "| layers.0 | 9 | 8,768 | 4,384 | 0 | torch.float32 | torch.float32 | reduce_scatter | True |" in out
+    assert "| layers.0 | 9 | 8,768 | 4,384 | 0 | torch.bfloat16 | torch.float32 | exchange | True |" in out
     assert "all-gather route chosen by 'auto': nccl (all-gathers on cpu: copy engines need CUDA tensors)" in out
-    assert "gradient exchange route chosen by 'auto': nccl (no gradient exchanges in this graph)" in out  # fp32
+    assert ("gradient exchange route chosen by 'auto': nccl (gradient exchanges on cpu: copy engines need CUDA "
+            "tensors)") in out
     assert "forward: 3 all-gathers (prefetch 1)" in out
     assert "backward: 3 all-gathers (prefetch 1), 3 gradient reductions (at most 2 in flight)" in out
     assert re.search(r"all-gather +2 +layers\.0 +all_gather_into_tensor_1 +issued 1 unit\(s\) ahead", out), out
