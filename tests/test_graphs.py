@@ -16,7 +16,7 @@ from fsdp_compile import explain
 from fsdp_compile._internals import is_view_op
 from fsdp_compile.passes._graph import CASTS
 from fsdp_compile.passes.insert_collectives import is_marker
-from fsdp_compile.passes.schedule_overlap import plan_overlap
+from fsdp_compile.passes.schedule_overlap import ScheduleOverlap, apply_overlap, plan_overlap
 from fsdp_compile.runtime.ops import cast_all_gather_differentiable
 from fsdp_compile.testing.graphs import compile_and_capture, count_calls
 from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama, LlamaConfig, save_matmuls
@@ -226,25 +226,19 @@ def test_a_unit_not_resharded_is_saved_for_backward_instead_of_regathered() -> N
 AR, WAIT = _c10d.all_reduce.default, _c10d.wait_tensor.default
 
 
-@pytest.mark.parametrize("limit", [1, 2, 3])
-def test_hsdp_reduces_within_the_replica_then_averages_across_replicas_overlapped(limit: int) -> None:
-    """HSDP 2 x 2 (rank 0 of 4): per unit, the all-gathers and reduce-scatters run over the shard dimension's
-    group, then ONE all-reduce of the reduced shard over the replicate dimension's group; the schedule issues
-    each all-reduce once its reduce-scatter is waited for and waits for it later, past backward compute,
-    whatever the bound on reductions in flight."""
-    counters.clear()
-    options = {"compiler": "aot_eager", "max_inflight_grad_reductions": limit}
-    graphs = compile_and_capture(mp=fsdp_compile.MixedPrecision(), backend_options=options, mesh=(2, 2))
-    assert not counters["fsdp_compile"]["schedule_overlap_kept_original_order"]
-    forward, backward = graphs["forward"], graphs["backward"]
-    gathers = [n for g in (forward, backward) for n in g.graph.nodes if n.target in ALL_GATHERS]
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` with a graph of its own (the schedule reorders nodes), sharing the rest (its bodies, the nodes' meta)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _scheduled_hsdp_backward(backward: fx.GraphModule) -> dict[str, tuple[str]]:
+    """Checks a backward graph of the HSDP step as scheduled; returns each reduce-scatter's all-reduce."""
+    gathers = [n for n in backward.graph.nodes if n.target in ALL_GATHERS]
     scatters = [n for n in backward.graph.nodes if n.target == RS]
     reduces = [n for n in backward.graph.nodes if n.target == AR]
-    assert len(gathers) == 2 * N_UNITS and len(scatters) == N_UNITS and len(reduces) == N_UNITS
-    shard_groups = {n.args[2] for n in gathers} | {n.args[3] for n in scatters}
-    replicate_groups = {n.args[2] for n in reduces}
-    assert len(shard_groups) == 1 and len(replicate_groups) == 1 and shard_groups != replicate_groups
-    assert {n.args[1] for n in gathers} == {n.args[2] for n in scatters} == {2}  # the shard dimension's size
+    assert len(gathers) == len(scatters) == len(reduces) == N_UNITS
     order = {n: i for i, n in enumerate(backward.graph.nodes)}
     overlapped, stages = 0, {}
     for reduce in reduces:
@@ -257,12 +251,51 @@ def test_hsdp_reduces_within_the_replica_then_averages_across_replicas_overlappe
         between = [n for n in backward.graph.nodes if order[reduce] < order[n] < order[wait]]
         overlapped += any(n.op == "call_function" and n.target not in (RS, AR, WAIT) for n in between)
     assert overlapped >= N_UNITS - 2, overlapped
-    # The schedule's plan names each reduction's all-reduce, and explain prints it.
-    plan = plan_overlap(backward.graph, prefetch=1, max_inflight_grad_reductions=limit)
-    assert plan.replica_all_reduces == stages
-    lines = explain._schedule_lines("backward", json.loads(plan.to_json()))
-    assert "each then averaged over the replicas" in lines[0]
-    assert sum(f"then {ar} over the replicas" in line for (ar,) in stages.values() for line in lines) == N_UNITS
+    return stages
+
+
+def test_hsdp_reduces_within_the_replica_then_averages_across_replicas_overlapped(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """HSDP 2 x 2 (rank 0 of 4): per unit, the all-gathers and reduce-scatters run over the shard dimension's
+    group, then ONE all-reduce of the reduced shard over the replicate dimension's group; the schedule issues
+    each all-reduce once its reduce-scatter is waited for and waits for it later, past backward compute,
+    whatever the bound on reductions in flight: the step compiled once (the default bound, 2, every pass after
+    the schedule applied too), and the schedule planned and applied again to the backward graph as it reached the
+    schedule, for bounds 1, 2 and 3 (a compile each cost ~5 s)."""
+    counters.clear()
+    unscheduled: list[fx.GraphModule] = []  # the graphs the schedule got, copied (it reorders their nodes)
+    schedule = ScheduleOverlap.__call__
+
+    def keep_a_copy(self: ScheduleOverlap, graph: fx.Graph) -> None:
+        unscheduled.append(_copy(graph.owning_module))
+        schedule(self, graph)
+
+    monkeypatch.setattr(ScheduleOverlap, "__call__", keep_a_copy)
+    options = {"compiler": "aot_eager"}
+    graphs = compile_and_capture(mp=fsdp_compile.MixedPrecision(), backend_options=options, mesh=(2, 2))
+    assert not counters["fsdp_compile"]["schedule_overlap_kept_original_order"]
+    forward, backward = graphs["forward"], graphs["backward"]
+    gathers = [n for g in (forward, backward) for n in g.graph.nodes if n.target in ALL_GATHERS]
+    scatters = [n for n in backward.graph.nodes if n.target == RS]
+    reduces = [n for n in backward.graph.nodes if n.target == AR]
+    assert len(gathers) == 2 * N_UNITS and len(scatters) == N_UNITS and len(reduces) == N_UNITS
+    shard_groups = {n.args[2] for n in gathers} | {n.args[3] for n in scatters}
+    replicate_groups = {n.args[2] for n in reduces}
+    assert len(shard_groups) == 1 and len(replicate_groups) == 1 and shard_groups != replicate_groups
+    assert {n.args[1] for n in gathers} == {n.args[2] for n in scatters} == {2}  # the shard dimension's size
+    stages = _scheduled_hsdp_backward(backward)
+    (before,) = [gm for gm in unscheduled if any(n.target == AR for n in gm.graph.nodes)]
+    for limit in (1, 2, 3):
+        gm = _copy(before)
+        plan = plan_overlap(gm.graph, prefetch=1, max_inflight_grad_reductions=limit)
+        apply_overlap(gm, plan)
+        assert not plan.kept_original_order and _scheduled_hsdp_backward(gm) == stages, limit
+        # The schedule's plan names each reduction's all-reduce, and explain prints it.
+        assert plan.replica_all_reduces == stages
+        lines = explain._schedule_lines("backward", json.loads(plan.to_json()))
+        assert "each then averaged over the replicas" in lines[0]
+        assert sum(f"then {ar} over the replicas" in line for (ar,) in stages.values() for line in lines) == N_UNITS
 
 
 def test_selective_checkpointing_saves_the_matmuls_not_the_gathered_parameters() -> None:
@@ -287,7 +320,7 @@ def _plans_of_steps(orders: tuple[str, ...]) -> dict[str, list[tuple[str, str]]]
 
     from fsdp_compile._internals import COMPILE_AFRESH, inductor_config, trace_log
 
-    configs = {"tests": LLAMA_TESTS, "tiny": dataclasses.replace(LLAMA_TESTS, dim=48, n_layers=3, ffn_dim=64)}
+    configs = {"tests": LLAMA_TESTS, "tiny": dataclasses.replace(LLAMA_TESTS, dim=48, n_layers=1, ffn_dim=64)}
     plans: dict[str, list[tuple[str, str]]] = {name: [] for name in orders}
     current: list[str] = []
 
