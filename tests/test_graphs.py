@@ -262,7 +262,7 @@ def test_hsdp_reduces_within_the_replica_then_averages_across_replicas_overlappe
     each all-reduce once its reduce-scatter is waited for and waits for it later, past backward compute,
     whatever the bound on reductions in flight: the step compiled once (the default bound, 2, every pass after
     the schedule applied too), and the schedule planned and applied again to the backward graph as it reached the
-    schedule, for bounds 1, 2 and 3 (rather than a compile per bound, ~5 s each)."""
+    schedule, for bounds 1, 2 and 3 (rather than a compile per bound)."""
     counters.clear()
     unscheduled: list[fx.GraphModule] = []  # the graphs the schedule got, copied (it reorders their nodes)
     schedule = ScheduleOverlap.__call__

@@ -24,7 +24,7 @@ __all__ = ["BF16_FP32_REDUCE", "compile_and_capture", "count_calls", "memory_pla
 
 BF16_FP32_REDUCE = fsdp_compile.MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 """The Inductor tests' mixed precision: tests/test_codegen.py's whole-step code and tests/test_explain.py's dump
-compile the same graphs with it, so Inductor builds their kernels once (g++, ~1-2 s a kernel on CPU)."""
+compile the same graphs with it, so Inductor builds their C++ kernels once."""
 
 
 def count_calls(gm: fx.GraphModule, targets: object) -> int:
