@@ -10,6 +10,7 @@ forward and backward graphs (Inductor's post-grad graphs, or the AOT graphs unde
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import json
 import logging
@@ -34,6 +35,7 @@ from fsdp_compile.config import BackendConfig
 from fsdp_compile.lowering.choose_route import Collective, Routes, resolve_routes
 from fsdp_compile.lowering.interrupt_waits import InterruptWaits
 from fsdp_compile.lowering.lower_to_copy_engines import LowerToCopyEngines
+from fsdp_compile.passes.copy_body_aliases import CopyBodyAliases
 from fsdp_compile.passes.insert_collectives import (
     CollectivesPlan,
     UnitGather,
@@ -45,6 +47,7 @@ from fsdp_compile.passes.map_unit_inputs import UnitInputsPlan, iter_graphs, pla
 from fsdp_compile.passes.plan_memory import PlanMemory
 from fsdp_compile.passes.reshard_after_forward import ReshardAfterForward
 from fsdp_compile.passes.schedule_overlap import ScheduleOverlap
+from fsdp_compile.passes.unalias_body_outputs import UnaliasBodyOutputs
 from fsdp_compile.passes.write_gradients_in_place import WriteGradientsInPlace
 from fsdp_compile.runtime import host_copies
 from fsdp_compile.runtime.copy_engine import reserve_workspace, workspace_nbytes
@@ -60,7 +63,7 @@ def _post_grad_passes(
     """The passes on one compiled step's forward and backward graphs (one pipeline per compile: the memory plan
     keeps its forward's buffers for its backward); ``ranks``: this process's rank in each group, by name;
     ``gloo``: the graph's collectives run over gloo."""
-    passes: list[Any] = []
+    passes: list[Any] = [CopyBodyAliases()]
     if config.overlap:
         passes.append(
             ScheduleOverlap(prefetch=config.prefetch, max_inflight_grad_reductions=config.max_inflight_grad_reductions)
@@ -76,15 +79,23 @@ def _post_grad_passes(
         passes.append(LowerToCopyEngines(all_gather=gathers, grad_reduce=exchanges))
     if gloo:
         passes.append(InterruptWaits())
-    bodies = [WriteGradientsInPlace()] if config.gradients_in_place else []  # a backward body returns its gradient
+    bodies = [CopyBodyAliases()]  # a graph over one rank holds no collectives but calls bodies
+    if config.gradients_in_place:  # a backward body returns its gradient
+        bodies.append(WriteGradientsInPlace())
     return PassPipeline(passes, bodies, is_body=lambda graph: not holds_collectives(graph))
+
+
+def _joint_passes() -> PassPipeline:
+    """The passes on the joint graph, before the partitioner: bodies' outputs that alias their inputs taken from the
+    calls' operands, then the all-gathers tagged to be recomputed."""
+    return PassPipeline([UnaliasBodyOutputs(), ReshardAfterForward()])
 
 
 def _inductor_settings(config: BackendConfig, post_grad: PassPipeline) -> dict[str, Any]:
     """Inductor settings for the forward and backward compiles: our joint and post-grad passes; when the
     overlap schedule runs, no peak-memory reordering after it (that reordering would issue each all-gather
     at its use again); CUDA graphs when asked for."""
-    settings: dict[str, Any] = {"joint_custom_pre_pass": ReshardAfterForward()}
+    settings: dict[str, Any] = {"joint_custom_pre_pass": _joint_passes()}
     if _dump.active():  # a graph from Inductor's caches would run no pass and log nothing to dump
         settings.update(_internals.COMPILE_AFRESH)
     if config.cudagraphs:
@@ -129,8 +140,8 @@ def _inductor_inner_compile(
     def inner_compile(gm: fx.GraphModule, example_inputs: Sequence[Any], **kwargs: Any) -> Any:
         backward = _internals.is_backward_compile(kwargs)
         debug.record("backward" if backward else "forward", gm)
-        with inductor_config.patch(settings), _dump.dumping(dump):  # backward: compiled at its first call
-            compiled = _internals.compile_fx_inner(gm, example_inputs, **kwargs)
+        with inductor_config.patch(settings), _dump.dumping(dump), _internals.bodies_donate_nothing():
+            compiled = _internals.compile_fx_inner(gm, example_inputs, **kwargs)  # backward: at its first call
         if backward:
             return WatchedGraph(compiled, watches, "backward", after_backward)
         return WatchedGraph(compiled, watches, "forward")
@@ -173,7 +184,7 @@ def _after_backward(states: list[UnitState]) -> Callable[[], None]:
 
 
 def _partition_resharded(joint: fx.GraphModule, joint_inputs: Sequence[Any], **kwargs: Any) -> Any:
-    ReshardAfterForward()(joint.graph)
+    _joint_passes()(joint.graph)
     return _internals.min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
 
@@ -348,9 +359,21 @@ def _compile_dumped(
             )(gm, example_inputs)
     # The passes are also patched around compile_fx so that they are part of the cache keys (FX graph and
     # AOTAutograd caches): a graph compiled with other options is never reused.
-    with inductor_config.patch(settings), _internals.body_schemas_once():
+    with inductor_config.patch(settings), _internals.body_schemas_once(), _donations(gm):
         inner_compile = _inductor_inner_compile(settings, config.dump, watches, after_backward)
         return _internals.compile_fx(gm, example_inputs, inner_compile=inner_compile)
+
+
+def _donations(gm: fx.GraphModule) -> Any:
+    """Where the graph calls shared bodies and this torch gives no way to keep Inductor from donating a body's inputs
+    (``_internals.bodies_donate_nothing``): no donated inputs in the step's backward at all. [Note: shared bodies]"""
+    if not region_calls(gm) or _internals.BODY_DONATION_HOOK:
+        return contextlib.nullcontext()
+    debug.degraded("shared_bodies_no_donated_buffers", (
+        "this torch lowers shared bodies in a way fsdp_compile does not know, so it cannot keep Inductor from "
+        "overwriting a body's inputs that the step's backward donates: the backward of a step with shared bodies "
+        "donates none (torch._functorch.config.donated_buffer=False for it; a little more memory)"))
+    return _internals.no_donated_buffers()
 
 
 def backend(**options: Any) -> Callable[..., Any]:

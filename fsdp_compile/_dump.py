@@ -9,7 +9,8 @@
 A run replaces what an earlier run wrote for the same rank (its first write removes it).
 
 ``<stage>`` is ``dynamo`` (the Dynamo graph: the unit table, the collectives plan, the graph before and after
-``insert_collectives``), ``joint`` (``reshard_after_forward`` on AOTAutograd's joint graph), ``forward`` or
+``insert_collectives``), ``joint`` (``unalias_body_outputs`` where the step calls shared bodies, then ``reshard_after_forward``, on
+AOTAutograd's joint graph), ``forward`` or
 ``backward`` (each post-grad pass's graph before and after and its plan,
 the memory plan, Inductor's post-grad graph and its output code); ``NN`` numbers the files of a graph in the
 order they were logged. The same records are what ``TORCH_TRACE`` gives ``tlparse``: this is a sink for them

@@ -12,9 +12,9 @@ on one rank: no all-gather; the unit's copy to the device is the gathered unit, 
 backward), so the device holds one unit's copy at a time, as on several ranks.
 
 Shared bodies ([Note: shared bodies]): a body's joint graph reads its unit as a placeholder (the gathered unit,
-which the call site gathers); every view of it is tagged, so the body's partition saves the placeholder itself,
-which the body's forward then returns as it is. In the step's joint graph, that saved value of a resharded unit
-is replaced by the call's operand, the tagged all-gather's result: backward gathers the unit again.
+which the call site gathers); every view of it is tagged, so the body's partition saves the placeholder itself.
+``unalias_body_outputs`` (before this pass) takes that saved value from the call's operand, the all-gather's
+result, which this pass tags: backward gathers the unit again.
 
 Example (joint graph)::
 
@@ -26,7 +26,6 @@ Example (joint graph)::
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import torch.fx as fx
@@ -41,12 +40,10 @@ from fsdp_compile.passes._graph import (
     TO_GATHER,
     WAIT,
     GraphPass,
-    graph_module,
     lint_and_recompile,
     named,
     plan_json,
     producers,
-    region_calls,
 )
 from fsdp_compile.runtime.ops import KEEP_GATHERED
 
@@ -56,17 +53,15 @@ __all__ = ["ReshardAfterForward", "ReshardPlan", "apply_reshard", "plan_reshard"
 @dataclass(frozen=True)
 class ReshardPlan:
     """Names of the joint-graph nodes to recompute in backward, per all-gather (or per gathered unit a shared body
-    reads); and the saved values of shared bodies' calls to replace by the gathered unit they pass through
-    (saved value, gathered unit)."""
+    reads)."""
 
     recompute: tuple[tuple[str, ...], ...]
-    regather: tuple[tuple[str, str], ...] = ()
 
     def to_json(self) -> str:
         return plan_json(self)
 
     def summary(self) -> str:
-        return f"{len(self.recompute)} all-gathers recomputed in backward, {len(self.regather)} in shared bodies"
+        return f"{len(self.recompute)} all-gathers recomputed in backward"
 
 
 def _with_views(nodes: list[fx.Node], start: fx.Node) -> list[fx.Node]:
@@ -98,21 +93,6 @@ def _gathered_placeholders(graph: fx.Graph) -> list[fx.Node]:
             if any(UNIT in u.meta.get("custom", {}) and is_view_op(u.target) for u in p.users)]
 
 
-def _passed_through(graph: fx.Graph, gathered: set[str]) -> list[tuple[str, str]]:
-    """(saved value, operand): outputs of shared bodies' calls that are one of the body's placeholders returned as it
-    is, where the call passes a resharded unit (one of ``gathered``) as that placeholder."""
-    pairs = []
-    for call in region_calls(graph_module(graph)):
-        body = getattr(graph_module(graph), call.args[0].target).graph
-        placeholders = body.find_nodes(op="placeholder")
-        for index, out in enumerate(body.output_node().args[0]):
-            operand = call.args[2 + placeholders.index(out)] if out in placeholders else None
-            if isinstance(operand, fx.Node) and operand.name in gathered:
-                pairs.extend((user.name, operand.name) for user in call.users
-                             if user.target is operator.getitem and user.args[1] == index)
-    return pairs
-
-
 def plan_reshard(graph: fx.Graph) -> ReshardPlan:
     chains = []
     for node in graph.nodes:
@@ -126,15 +106,10 @@ def plan_reshard(graph: fx.Graph) -> ReshardPlan:
         chain.append(node)
         chains.append(tuple(n.name for n in _with_views(chain, node)))
     chains.extend(tuple(n.name for n in _with_views([], p)) for p in _gathered_placeholders(graph))
-    regather = _passed_through(graph, {name for chain in chains for name in chain})
-    return ReshardPlan(recompute=tuple(chains), regather=tuple(regather))
+    return ReshardPlan(recompute=tuple(chains))
 
 
 def apply_reshard(gm: fx.GraphModule, plan: ReshardPlan) -> None:
-    nodes = {n.name: n for n in gm.graph.nodes}
-    for saved, operand in plan.regather:
-        nodes[saved].replace_all_uses_with(nodes[operand])
-        gm.graph.erase_node(nodes[saved])
     for node in named(gm.graph, (name for chain in plan.recompute for name in chain)):
         node.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
     lint_and_recompile(gm)

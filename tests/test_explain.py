@@ -87,7 +87,12 @@ def test_explain_says_which_units_share_a_body(tmp_path: Path) -> None:
     """The default (shared bodies): explain names the body and the units that run it, and counts the gradients its
     backward writes in place (once, for every unit that runs it). aot_eager: the bodies and the plans are the
     passes' (Inductor's files: the whole-step dump above); rank 0's alone (the ranks: that dump)."""
-    out = _explain(str(_dumped(tmp_path, fsdp_compile.backend(compiler="aot_eager"), ranks=(0,)))).stdout
+    root = _dumped(tmp_path, fsdp_compile.backend(compiler="aot_eager"), ranks=(0,))
+    out = _explain(str(root)).stdout
+    # The joint graph's pass that takes what the bodies return of their inputs from the calls' operands ran and said
+    # what it took: the forward body returns its activation input (the backward reads it).
+    (plan,) = root.glob("rank0/graph_*/*_joint_unalias_body_outputs_plan.json")
+    assert any(a["body"].startswith("partitioned_fw") for a in json.loads(plan.read_text())["aliases"]), plan.read_text()
     assert re.search(r"shared body \w+: compiled once for forward and once for backward, run by 2 units "
                      r"\(layers\.0, layers\.1\)", out), out
     assert re.search(r"gradients written in place: 1 of 2 units \(\d+ pieces, 7 written by their matmul\); "

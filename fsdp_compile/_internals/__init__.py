@@ -39,14 +39,14 @@ import torch
 import torch.fx as fx
 
 __all__ = [
-    "BackendCompilerFailed", "body_schemas_once", "COMPILE_AFRESH", "INVOKE_SUBGRAPH", "compile_region", "dynamo_reset", "frame_callback", "is_region_break", "set_frame_callback", "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
+    "BODY_DONATION_HOOK", "BackendCompilerFailed", "bodies_donate_nothing", "body_schemas_once", "COMPILE_AFRESH", "INVOKE_SUBGRAPH", "compile_region", "dynamo_reset", "frame_callback", "is_region_break", "set_frame_callback", "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
     "aot_autograd", "c10d_functional", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_ranks", "group_store",
     "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
     "list_mode_options", "make_boxed_func", "mark_static", "outside_fake_mode", "outside_graph_pools",
     "placeholder_source", "run_by_python", "running_backward",
-    "min_cut_rematerialization_partition", "no_torch_function_subclass", "register_work", "run_observed",
+    "min_cut_rematerialization_partition", "no_donated_buffers", "no_torch_function_subclass", "register_work", "run_observed",
     "set_optimizer_state_dict", "sharded_tensor", "trace_log", "trace_structured",
 ]
 
@@ -205,6 +205,51 @@ def body_schemas_once() -> Iterator[None]:
         yield
     finally:
         del INVOKE_SUBGRAPH.gen_schema
+
+
+_lowering: Any = importlib.import_module("torch._inductor.graph")
+_functorch_config: Any = _need("torch._functorch", "config")
+BODY_DONATION_HOOK: bool = hasattr(_lowering.GraphLowering, "make_subgraph") and callable(
+    getattr(_lowering, "get_donated_idxs", None))
+"""Whether :func:`bodies_donate_nothing` can keep Inductor from donating a body's inputs on this torch: it lowers a
+body through ``GraphLowering.make_subgraph``, whose new lowering takes the donated indices from
+``get_donated_idxs()`` (torch 2.11 and 2.13). Where it cannot, :func:`no_donated_buffers`."""
+
+
+@contextlib.contextmanager
+def bodies_donate_nothing() -> Iterator[None]:
+    """While Inductor compiles a graph: the bodies it lowers (a region call's ``invoke_subgraph``) treat no input as
+    donated. A body's lowering inherits the indices AOTAutograd gave the OUTER backward's donated inputs (saved
+    values nothing else holds, whose storage Inductor may then reuse) and applies them to its own placeholders, a
+    different list: the body then writes into an input the caller still reads (pytorch PR #193960, "Keep subgraph
+    inputs from inheriting donation indices", which clears them; torch 2.11 and 2.13 lack it). The outer graph keeps
+    its donations. [Note: shared bodies]"""
+    if not BODY_DONATION_HOOK or getattr(_lowering.GraphLowering.make_subgraph, "donates_nothing", False):
+        yield
+        return
+    lowering = _lowering.GraphLowering
+    made = lowering.make_subgraph
+
+    def make_subgraph(self: Any, *args: Any, **kwargs: Any) -> Any:
+        donated = _lowering.get_donated_idxs
+        _lowering.get_donated_idxs = lambda: None
+        try:
+            return made(self, *args, **kwargs)
+        finally:
+            _lowering.get_donated_idxs = donated
+
+    make_subgraph.donates_nothing = True  # type: ignore[attr-defined]
+    lowering.make_subgraph = make_subgraph
+    try:
+        yield
+    finally:
+        lowering.make_subgraph = made
+
+
+def no_donated_buffers() -> Any:
+    """A context in which AOTAutograd marks no backward input donated (``torch._functorch.config.donated_buffer``):
+    Inductor then reuses none of them, in the graph or in a body it calls."""
+    return _functorch_config.patch(donated_buffer=False)
 
 
 def compile_region(fn: Callable[..., T]) -> Callable[..., T] | None:
