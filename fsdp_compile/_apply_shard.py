@@ -323,7 +323,9 @@ def _gathered_forward(cls: type[nn.Module]) -> Any:
     @functools.wraps(forward)
     def gathered_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if torch.compiler.is_compiling():  # the graph gathers the unit itself; units alike share one traced body
-            if region is None or not Regions.on:
+            if region is not None and not Regions.on:  # units' forwards break the graph: see _forward_in_pieces
+                return _forward_in_pieces(module, forward, *args, **kwargs)
+            if region is None:
                 return forward(module, *args, **kwargs)
             for path, names in module.__dict__[FLAGS_ATTR]:
                 sub = module.get_submodule(path)
@@ -339,11 +341,25 @@ def _gathered_forward(cls: type[nn.Module]) -> Any:
     return gathered_forward
 
 
+@functools.partial(torch.compiler.disable, recursive=False)
+def _forward_in_pieces(module: nn.Module, forward: Any, *args: Any, **kwargs: Any) -> Any:
+    """A unit's ``forward`` where units' forwards break the graph (``_regions``): this frame in Python, the unit gathered
+    here, once per call, as FSDP2's hooks do, and ``forward`` compiled in pieces (Dynamo compiles its frames) that read
+    the gathered unit: no collective inside a piece. A piece may run a number of times that depends on the data (a
+    mixture of experts' loop over the experts hit), which differs from rank to rank; a gather per piece would issue
+    different collectives on each rank."""
+    gathered = _gather_for_forward(module, resharded=True)
+    try:
+        return forward(module, *args, **kwargs)
+    finally:
+        _release(gathered)
+
+
 @torch.compiler.disable  # eager code, also where a compiled model's graph break leaves this frame to Python
-def _gather_for_forward(module: nn.Module) -> contextlib.ExitStack:
+def _gather_for_forward(module: nn.Module, *, resharded: bool = False) -> contextlib.ExitStack:
     gathered = contextlib.ExitStack()
     for state in module.__dict__[GROUPS_ATTR]:
-        gathered.enter_context(state.gathered_for_forward())
+        gathered.enter_context(state.gathered_for_forward(resharded=resharded))
     return gathered
 
 

@@ -128,19 +128,25 @@ class EagerUnit:
             self._hooks[-1].__enter__()
 
     @contextlib.contextmanager
-    def gathered_for_forward(self) -> Iterator[None]:
+    def gathered_for_forward(self, *, resharded: bool = False) -> Iterator[None]:
         """The unit gathered while its ``forward`` runs outside its ``__call__``, whose hooks gather it: Hugging
         Face's gradient checkpointing recomputes ``forward`` in backward. Differentiable (a reentrant checkpoint
         backpropagates through the recompute); no saved-tensor hooks (the checkpoint's own hold what the recompute
-        saves, and with them the buffer, until backward has used it)."""
+        saves, and with them the buffer, until backward has used it). ``resharded``: as the hooks do, saved views
+        of the buffer gathered again in backward (a forward compiled in pieces: ``_apply_shard._gathered_forward``)."""
         if self.gathered is not None:
             yield
             return
-        self.gathered = self._gather_now()
         counters["fsdp_compile"]["eager_forward_gathers"] += 1
+        if resharded:
+            self.pre_forward(None, ())  # type: ignore[arg-type]
+        else:
+            self.gathered = self._gather_now()
         try:
             yield
         finally:
+            if resharded:
+                self.post_forward(None, (), None)  # type: ignore[arg-type]
             self.gathered = None
 
     def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:

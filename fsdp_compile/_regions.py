@@ -1,6 +1,8 @@
 """Whether a unit module's forward, traced by Dynamo, is a nested compile region (the units alike then share one body:
 [Note: shared bodies] in docs/architecture.md), and what switches that off for the process: a unit's forward that
-breaks the graph, which a region cannot hold (Dynamo refuses it instead of falling back)."""
+breaks the graph, which a region cannot hold (Dynamo refuses it instead of falling back). From then on each unit's
+forward runs from Python, the unit gathered once per call, and is compiled in pieces that read it
+(``_apply_shard._forward_in_pieces``)."""
 
 from __future__ import annotations
 
@@ -35,8 +37,9 @@ def _call_with_regions(call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         reason = _graph_break(str(error))
     Regions.on = False
     degraded("shared_bodies_off", f"a unit's forward breaks the graph ({reason}), and a forward traced in pieces "
-             "cannot share a body: every unit is now compiled where it is called, as with "
-             "fsdp_compile.backend(regions=False)")
+             "cannot share a body, nor gather its unit in a graph (a piece may run a number of times that depends on "
+             "the data, different on each rank): every unit is now gathered once per call, outside the graphs, as "
+             "FSDP2's hooks do, and its forward compiled in pieces that read it")
     _internals.dynamo_reset()  # what was compiled before the refusal (with regions) compiles again, without
     _internals.set_frame_callback(callback)  # Dynamo dropped it with the refused compile
     return call(*args, **kwargs)

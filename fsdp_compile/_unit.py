@@ -199,9 +199,11 @@ class UnitState:
                 f"{slot.names[0]} was frozen (requires_grad=False) when fsdp_compile.shard() ran and now requires a "
                 "gradient: it lives in a buffer without one and would never train. Set requires_grad before shard()"
             )
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() and self.eager.gathered is None:
             return unshard(self.flat, self.accum, slot.offset, slot.numel, list(slot.shape), self.param_dtype,
                            self.compute_device)
+        if torch.compiler.is_compiling():  # a piece of the unit's forward traced apart: its hooks gathered it
+            return self.eager.param(slot.offset, slot.numel, slot.shape)
         if self.outside is not None:
             return self.outside(slot)
         if self.flat.is_meta:
@@ -217,13 +219,14 @@ class UnitState:
             return read_outside_forward(self.piece(slot).param, slot.shape, slot.names)
         return outside_forward(self.eager.param(slot.offset, slot.numel, slot.shape), slot.names[0])
 
-    def gathered_for_forward(self) -> contextlib.AbstractContextManager[None]:
+    def gathered_for_forward(self, *, resharded: bool = False) -> contextlib.AbstractContextManager[None]:
         """Around the unit module's ``forward`` (its sharded class's): the unit gathered in eager mode when the forward
         runs inside the model's forward or backward but not through the module's ``__call__`` (Hugging Face's gradient
-        checkpointing recomputes ``forward`` in backward); elsewhere nothing (reads raise as they would)."""
+        checkpointing recomputes ``forward`` in backward), or is compiled in pieces; elsewhere nothing (reads raise as
+        they would). ``resharded``: see ``EagerUnit.gathered_for_forward``."""
         if self.outside is not None or self.flat.is_meta or not (self.watch.depth or _internals.running_backward()):
             return contextlib.nullcontext()
-        return self.eager.gathered_for_forward()
+        return self.eager.gathered_for_forward(resharded=resharded)
 
     def piece(self, slot: ParamSlot) -> Piece:
         return self.pieces[self._slot_index[slot.offset]]

@@ -33,7 +33,11 @@ POLL_S = 0.2
 BEAT_S = 0.5
 """How often a watcher writes its heartbeat (where this rank is: its collectives issued, the one it waits in)."""
 DEAD_S = 10.0
-"""A rank whose heartbeat stands still this long is gone (killed, out of host memory): every rank raises."""
+"""A rank whose heartbeat stands still this long is gone (killed, aborted, stuck): every rank raises."""
+ENDED_HOW = ("killed (by the out-of-memory killer, say) or aborted by a library (gloo aborts a rank whose collective "
+             "differs in size from its peers'): that rank's own output says which")
+DIED = f"died (its connection closed and its heartbeat stopped: its process ended without a word, {ENDED_HOW})"
+"""What is known of a rank whose process ended under its peers, and no more."""
 _PREFIX = "fsdp_compile/failures/"
 watchers: set[threading.Thread] = set()
 """The watcher threads still running (those of destroyed groups end within ``POLL_S``): joined as the process ends."""
@@ -171,8 +175,7 @@ class Channel:
             late = [(q, b) for q, b in beats.items()
                     if b["seq"] < waited_for and b["n"] not in (-1, first.get(q, {}).get("n"))]  # alive
             for blamed, reason in ((gone, "ended its process, or destroyed the group"),
-                                   (died if time.monotonic() - start > 4 * BEAT_S else [], "died (its connection "
-                                    "closed and its heartbeat stopped: killed, out of host memory?)"),
+                                   (died if time.monotonic() - start > 4 * BEAT_S else [], DIED),
                                    (late, f"never issued collective #{waited_for} of the group")):
                 if blamed and self.cause is None:
                     q, beat = blamed[0]
@@ -238,7 +241,8 @@ class Channel:
         if last is None or beat["n"] != last[0]:
             return beat["n"], time.monotonic()
         if time.monotonic() - last[1] > DEAD_S:
-            reason = f"stopped answering for {DEAD_S:.0f} s (killed, out of host memory?; it was {beat['where']})"
+            reason = f"stopped answering for {DEAD_S:.0f} s (stuck, or ended without a word: {ENDED_HOW}; it was " \
+                     f"{beat['where']})"
             self._poison(Departure(self.global_ranks[neighbour], beat["seq"], reason), "its heartbeat stood still")
         return last
 

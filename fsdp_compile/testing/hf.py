@@ -19,18 +19,23 @@ VOCAB = 64
 
 def tiny_causal_lm(family: str = "llama", dtype: torch.dtype = torch.float64, *, hidden: int = 16,
                    layers: int = 2) -> nn.Module:
-    """A randomly initialised ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (``family``): 2 heads sharing one key-value
-    head, eager attention, untied embeddings. Seed before calling."""
+    """A randomly initialised ``LlamaForCausalLM``, ``Qwen2ForCausalLM``, ``Phi3ForCausalLM`` or ``MixtralForCausalLM``
+    (``family``): 2 heads sharing one key-value head, eager attention, untied embeddings; Mixtral with 8 experts, 2 a
+    token (a loop over the experts a batch hits, which breaks the graph: the experts hit differ from rank to rank),
+    run one by one (transformers' grouped matmul takes no float64). Seed before calling."""
     import transformers
 
     config_class, model_class = {
         "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
+        "phi3": (transformers.Phi3Config, transformers.Phi3ForCausalLM),
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM),
     }[family]
+    experts = {"num_local_experts": 8, "num_experts_per_tok": 2, "experts_implementation": "eager"}
     cfg = config_class(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=5 * hidden // 2, num_hidden_layers=layers,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32, tie_word_embeddings=False,
-        attn_implementation="eager",
+        attn_implementation="eager", use_cache=False, pad_token_id=None, **(experts if family == "mixtral" else {}),
     )
     return model_class(cfg).to(dtype)
 
@@ -61,18 +66,21 @@ def trainable(module: nn.Module) -> dict[str, torch.Tensor]:
 def train_side_by_side(
     run: Callable[..., torch.Tensor], run_ref: Callable[..., torch.Tensor], lm: nn.Module, ref_lm: nn.Module, *,
     steps: int, rank: int, world_size: int, after_backward: Callable[[int], None] = lambda step: None,
+    batch: int = 2, seq: int = 8, vocab: int = VOCAB, worst_of: dict[str, str] | None = None,
 ) -> dict[str, float]:
-    """``steps`` AdamW steps (lr 1e-2) of the sharded model (``run(inputs, targets) -> loss``, its Hugging Face model
-    ``lm``) on this rank's micro-batch, and of the unsharded one (``run_ref``, ``ref_lm``) on every rank's micro-batch,
-    gradients averaged (``micro_batch_step``). Returns the worst relative errors of the mean loss, the trainable
-    gradients and, after the steps, the parameters. ``after_backward(step)`` runs after the sharded backward. Frozen
-    parameters must get no gradient."""
+    """``steps`` AdamW steps (lr 1e-2) of the sharded model (``run(inputs, targets) -> loss``, its model ``lm``) on this
+    rank's micro-batch (``batch`` sequences of ``seq`` tokens below ``vocab``), and of the unsharded one (``run_ref``,
+    ``ref_lm``) on every rank's micro-batch, gradients averaged (``micro_batch_step``). Returns the worst relative
+    errors of the mean loss, the trainable gradients and, after the steps, the parameters; ``worst_of``, if given,
+    receives the name of the worst gradient and parameter. ``after_backward(step)`` runs after the sharded backward.
+    Frozen parameters must get no gradient."""
     opt = torch.optim.AdamW(trainable(lm).values(), lr=1e-2)
     ref_opt = torch.optim.AdamW(trainable(ref_lm).values(), lr=1e-2)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
+    names = worst_of if worst_of is not None else {}
     for step in range(steps):
-        tokens = torch.randint(0, VOCAB, (2 * world_size, 9), generator=torch.Generator().manual_seed(step))
-        local = tokens[2 * rank : 2 * rank + 2]
+        tokens = torch.randint(0, vocab, (batch * world_size, seq + 1), generator=torch.Generator().manual_seed(step))
+        local = tokens[batch * rank : batch * (rank + 1)]
         loss = run(local[:, :-1], local[:, 1:])
         loss.backward()
         after_backward(step)
@@ -82,10 +90,15 @@ def train_side_by_side(
         worst["loss"] = max(worst["loss"], rel_error(torch.stack(losses).mean(), ref_loss))
         grads = full_grads(lm)
         for name, param in trainable(ref_lm).items():
-            worst["grad"] = max(worst["grad"], rel_error(grads[name], param.grad))
+            _note_worst(worst, names, "grad", name, rel_error(grads[name], param.grad))
         assert all(p.grad is None for p in lm.parameters() if not p.requires_grad)
         opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
     trained = full_state_dict(lm)
     for name, want in ref_lm.state_dict().items():
-        worst["param"] = max(worst["param"], rel_error(trained[name], want))
+        _note_worst(worst, names, "param", name, rel_error(trained[name], want))
     return worst
+
+
+def _note_worst(worst: dict[str, float], names: dict[str, str], kind: str, name: str, error: float) -> None:
+    if error >= worst[kind]:
+        worst[kind], names[kind] = error, name

@@ -24,7 +24,8 @@ def reference_step(ref: nn.Module, tokens: torch.Tensor, param_dtype: torch.dtyp
 
     Same dtype: one pass over the global batch (what averaging over ranks must equal).
     Mixed precision: what the sharded model computes, in one process: each rank's micro-batch forward and
-    backward in ``param_dtype``, gradients cast to the reference dtype and averaged there.
+    backward in ``param_dtype``, gradients cast to the reference dtype and averaged there. Frozen parameters get
+    no gradient, as in ``ref``'s own backward.
     """
     dtype = next(ref.parameters()).dtype
     if param_dtype == dtype:
@@ -38,6 +39,8 @@ def reference_step(ref: nn.Module, tokens: torch.Tensor, param_dtype: torch.dtyp
         loss.backward()
         losses.append(loss.detach().to(dtype))
         for p, q in zip(ref.parameters(), low.parameters()):
+            if q.grad is None:  # frozen
+                continue
             grad = q.grad.to(dtype) / world_size
             p.grad = grad if p.grad is None else p.grad + grad
         low.zero_grad()
