@@ -11,6 +11,7 @@ from fsdp_compile._departure import RankFailed
 from fsdp_compile._describe import ShardingSummary, describe, sync_buffers
 from fsdp_compile._dump import from_environment as _dump_from_environment
 from fsdp_compile._init_parameters import init_parameters
+from fsdp_compile._param_groups import decay_groups
 from fsdp_compile._save_safetensors import save_safetensors
 from fsdp_compile._shard import set_requires_gradient_sync, shard
 from fsdp_compile._step_in_backward import step_in_backward
@@ -22,7 +23,7 @@ from fsdp_compile._state_dict import (
     load_full_state_dict,
 )
 from fsdp_compile._summon import summon_full_params
-from fsdp_compile._unit import sharded_units
+from fsdp_compile._unit import full_shape, sharded_units
 from fsdp_compile.config import BackendConfig, MixedPrecision
 from fsdp_compile.runtime.slots import release_slabs, slab_bytes
 
@@ -36,8 +37,10 @@ __all__ = [
     "ShardingSummary",
     "backend",
     "clip_grad_norm_",
+    "decay_groups",
     "describe",
     "full_optimizer_state_dict",
+    "full_shape",
     "full_state_dict",
     "init_parameters",
     "load_full_optimizer_state_dict",

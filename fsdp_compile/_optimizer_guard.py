@@ -1,5 +1,6 @@
 """A guard against an optimizer built before ``shard()``: it holds the parameters ``shard()`` replaced, so it
-would train nothing. Its first ``step()`` raises instead."""
+would train nothing. Its first ``step()`` raises instead; and warns where its weight decay reaches no weight matrix
+(``_param_groups``)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils.hooks import RemovableHandle
+
+from fsdp_compile._param_groups import warn_if_no_matrix_decays
 
 __all__ = ["mark_replaced", "watch_optimizers"]
 
@@ -39,6 +42,7 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                     f"sharded piece, so this optimizer would train nothing: build the optimizer after {by}, from "
                     "model.parameters() (or model.named_parameters())"
                 )
+    warn_if_no_matrix_decays(optimizer)
     _checked_optimizers.add(optimizer)
 
 

@@ -36,7 +36,8 @@ if TYPE_CHECKING:
     from fsdp_compile._watch import ModelWatch
 
 __all__ = [
-    "Piece", "UnitState", "cut_pieces", "is_sharded", "register_units", "host_empty", "sharded_units", "unit_of_shard"
+    "Piece", "UnitState", "cut_pieces", "full_shape", "is_sharded", "register_units", "host_empty", "sharded_units",
+    "unit_of_shard",
 ]
 
 UNITS_ATTR = "_fsdp_compile_units"
@@ -59,13 +60,24 @@ class Piece(NamedTuple):
     hi: int
 
 
+SHAPE_ATTR = "_fsdp_compile_shape"
+"""On each piece: the shape of its whole parameter."""
+
+
 def cut_pieces(flat: torch.Tensor, layout: UnitLayout, rank: int, requires_grad: list[bool]) -> list[Piece]:
     """One ``nn.Parameter`` per slot, a view of its part of this rank's flat shard ``flat``."""
     pieces = []
     for slot, grad in zip(layout.slots, requires_grad):
         lo, hi = layout.local_range(slot, rank)
         pieces.append(Piece(nn.Parameter(flat.detach()[lo:hi], requires_grad=grad), slot, lo, hi))
+        setattr(pieces[-1].param, SHAPE_ATTR, torch.Size(slot.shape))
     return pieces
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of the whole parameter a sharded piece is part of (every piece is 1-D: ``p.dim()`` says nothing of
+    the parameter); any other tensor's own shape. FSDP2's DTensor parameters keep theirs."""
+    return getattr(param, SHAPE_ATTR, param.shape)
 
 
 def host_empty(like: torch.Tensor, pin_memory: bool) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+import warnings
 from collections.abc import Iterator
 
 import pytest
@@ -200,3 +201,28 @@ def test_units_may_be_one_class_or_a_list_of_classes() -> None:
     model = Llama(LLAMA_TINY)
     one, many = (plan_shard(model, units=units, world_size=2) for units in (Block, [Block]))
     assert one == many and [u.layout.fqn for u in one.units] == ["", "layers.0", "layers.1", "layers.2", "layers.3"]
+
+
+@pytest.mark.parametrize("sharded", [(0, 2)], indirect=True, ids=["rank0-of-2"])
+def test_weight_decay_by_dimension_reaches_the_matrices_through_their_full_shape(
+    sharded: tuple[Llama, Llama, int, int],
+) -> None:
+    """The ``p.dim() >= 2`` habit (nanoGPT's weight-decay groups): every piece is 1-D, so it would decay nothing. Each
+    piece's whole shape is reachable, ``decay_groups`` builds the groups the unsharded model gets, and the habit's
+    groups are warned about at the first step."""
+    original, model, _, _ = sharded
+    assert [tuple(fsdp_compile.full_shape(p)) for p in model.parameters()] == [
+        tuple(p.shape) for p in original.parameters()]
+    assert all(p.dim() == 1 for p in model.parameters())
+    groups = fsdp_compile.decay_groups(model, 0.1)
+    want = fsdp_compile.decay_groups(original, 0.1)  # the unsharded model's own shapes
+    assert [(len(g["params"]), g["weight_decay"]) for g in groups] == [(len(g["params"]), g["weight_decay"]) for g in want]
+    assert len(groups[0]["params"]) == 1 + 7 * LLAMA_TINY.n_layers  # the (tied) embedding and each block's linears
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.optim.AdamW(groups).step()  # no warning
+    by_dim = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    with pytest.warns(UserWarning, match=r"AdamW decays none of the 29 weight matrices .* p\.dim\(\) >= 2 .* "
+                                         r"fsdp_compile\.full_shape\(p\) .* fsdp_compile\.decay_groups"):
+        torch.optim.AdamW(by_dim).step()
