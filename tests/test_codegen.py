@@ -108,6 +108,16 @@ def test_the_blocks_share_one_body_each_way_called_once_per_block(code: list[str
         assert len(calls) == LLAMA_TINY.n_layers and len(set(calls)) == 1, calls
         assert len(_gathers(graph)) == N_UNITS
         assert len(re.findall(rf"^\s*# subgraph: {calls[0]}$", graph, re.M)) == LLAMA_TINY.n_layers
+        assert not _inputs_reused(graph, calls[0]), _inputs_reused(graph, calls[0])
+
+
+def _inputs_reused(code: str, body: str) -> list[str]:
+    """The lines of ``body``'s code that reuse the storage of one of its inputs for a buffer of its own: the caller
+    still holds its operands (a backward body lowered with the step's donated inputs did, [Note: shared bodies])."""
+    inputs = re.search(rf"def {body}\(args\):\n\s*(.*) = args$", code, re.M)
+    assert inputs, f"no body {body} in the code"
+    names = [name.strip() for name in inputs.group(1).split(",") if name.strip()]
+    return [line.strip() for line in code.splitlines() if any(f"del {name}  # reuse" in line for name in names)]
 
 
 @pytest.mark.slow

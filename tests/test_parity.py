@@ -112,7 +112,6 @@ class Case:
     overlap: bool = True  # the schedule_overlap pass
     exchange: bool = True  # MixedPrecision.exchange_grads_in_param_dtype (matters when param_dtype is narrower)
     keep_root_gathered: bool = False  # shard(reshard_after_forward=...) false for the root unit
-    keep_all_gathered: bool = False  # shard(reshard_after_forward=False): every unit (in shared bodies too)
     cudagraphs: bool = False  # BackendConfig.cudagraphs (CUDA graphs: GPU only)
     all_gather: Literal["nccl", "copy_engine", "auto"] = "nccl"  # BackendConfig.all_gather (copy engines: GPU only;
     # auto: under the environment torchrun gives one host, copy engines for groups of 2 or 4 GPUs)
@@ -155,7 +154,7 @@ def _train_and_compare_here(rank: int, world_size: int, case: Case) -> None:
     mp = fsdp_compile.MixedPrecision(
         param_dtype=case.param_dtype, reduce_dtype=case.dtype, exchange_grads_in_param_dtype=case.exchange
     )
-    reshard = (lambda fqn, module: fqn != "") if case.keep_root_gathered else not case.keep_all_gathered
+    reshard = (lambda fqn, module: fqn != "") if case.keep_root_gathered else True
     mesh = hsdp_mesh(case.mesh, case.device)
     offload = CPUOffloadPolicy() if case.offload else None
     fsdp_compile.shard(model, units=unit_classes, mp=mp, reshard_after_forward=reshard, mesh=mesh, offload_policy=offload)
@@ -233,8 +232,8 @@ def _train_and_compare_here(rank: int, world_size: int, case: Case) -> None:
     sharded_over = case.mesh[1] if case.mesh else world_size
     if case.compiler != "eager" and sharded_over > 1:  # the plan was applied (or not): slabs exist (or not). No slot
         # holds a unit kept gathered (saved for backward), nor one gathered outside the graphs (graph breaks in units):
-        # none where that is every gather
-        slotted = case.memory_plan and not case.keep_all_gathered and not (case.graph_break and case.keep_root_gathered)
+        # none where that is every gather (every unit kept gathered: tests/test_default_path.py)
+        slotted = case.memory_plan and not (case.graph_break and case.keep_root_gathered)
         assert (fsdp_compile.slab_bytes() > 0) == slotted, fsdp_compile.slab_bytes()
     # The optimizer's state against the unsharded reference optimizer's, parameter by parameter.
     state = fsdp_compile.full_optimizer_state_dict(model, opt)["state"]
@@ -246,12 +245,6 @@ def _train_and_compare_here(rank: int, world_size: int, case: Case) -> None:
             assert error <= tol, f"optimizer state {name}[{key!r}] rel. error {error:.2e} > {tol}"
     if case.cudagraphs:
         assert counters["inductor"]["cudagraph_skips"] == 0, "Inductor skipped CUDA graphs (its log says why)"
-
-
-@pytest.mark.parametrize("world_size, dtype", [(3, torch.float64), (2, torch.float32)], ids=["float64-world3", "float32-world2"])
-def test_parity_aot_eager(world_size: int, dtype: torch.dtype) -> None:
-    """Both dtypes, both world sizes (3: shards padded), five steps."""
-    run_ranks(_train_and_compare, world_size, Case("aot_eager", dtype, dtype))
 
 
 # Inductor's own parity cases, each several features at once (docs/architecture.md, "Testing numerics", says
@@ -313,11 +306,6 @@ def test_parity_replicated_only() -> None:
     run_ranks(_train_and_compare, 2, case)
 
 
-def test_parity_no_unit_resharded_after_forward() -> None:
-    """``reshard_after_forward=False``: each block's shared body keeps its gathered unit from forward to backward."""
-    run_ranks(_train_and_compare, 2, Case("aot_eager", torch.float64, torch.float64, steps=2, keep_all_gathered=True))
-
-
 @pytest.mark.parametrize("compiler", ["aot_eager", "eager"])
 def test_parity_root_not_resharded_after_forward(compiler: str) -> None:
     """``reshard_after_forward`` a predicate (every unit but the root): compiled, with shared bodies (the Inductor
@@ -363,21 +351,17 @@ def test_parity_selective_activation_checkpointing() -> None:
     run_ranks(_train_and_compare, 2, Case("eager", torch.float64, torch.float64, steps=3, checkpoint="selective"))
 
 
-@pytest.mark.parametrize("compiler", ["eager", "aot_eager"])
-def test_parity_third_party_gpt2_with_tied_embeddings(compiler: str) -> None:
-    # float64: GPT-2's attention key bias has a ~0 true gradient, so in fp32 AdamW turns rounding into
-    # visible updates (1e-4 seen) whatever the sharding (docs/architecture.md, "Testing numerics").
-    run_ranks(_train_and_compare, 2, Case(compiler, torch.float64, torch.float64, steps=3, model="gpt2"))
+def test_parity_third_party_gpt2_with_tied_embeddings() -> None:
+    """Eager (compiled with every default option: tests/test_default_path.py). float64: GPT-2's attention key bias has
+    a ~0 true gradient, so in fp32 AdamW turns rounding into visible updates (1e-4 seen) whatever the sharding
+    (docs/architecture.md, "Testing numerics")."""
+    run_ranks(_train_and_compare, 2, Case("eager", torch.float64, torch.float64, steps=3, model="gpt2"))
 
 
 def test_parity_each_block_compiled_on_its_own() -> None:
     """``block.compile(backend=fsdp_compile.backend(...))`` on each block (torchtitan's habit), the root eager: each
     block's graph gathers its unit."""
     run_ranks(_train_and_compare, 2, Case("aot_eager", torch.float64, torch.float64, steps=3, each_block=True))
-
-
-def test_parity_world_size_one() -> None:
-    run_ranks(_train_and_compare, 1, Case("aot_eager", torch.float64, torch.float64, steps=2))
 
 
 @pytest.mark.gpu

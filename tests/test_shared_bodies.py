@@ -91,6 +91,74 @@ def test_a_body_called_once_is_written_out_where_it_is_called() -> None:
     assert_bitwise(gm(*inputs), want)
 
 
+def _aliasing_step() -> tuple[fx.GraphModule, list[torch.Tensor]]:
+    """A step that calls one body twice; the body returns ``x + w``, its input ``x`` as it is and a view of its input
+    ``w`` (what a body's partition saves for its backward: the block's input, its weights); the step adds the
+    outputs up, as a backward would read them. Values in ``meta["val"]``, as the joint graph has them."""
+    body_graph = fx.Graph()
+    x, w = body_graph.placeholder("x"), body_graph.placeholder("w")
+    body_graph.output((body_graph.call_function(torch.ops.aten.add.Tensor, (x, w)), x,
+                       body_graph.call_function(torch.ops.aten.t.default, (w,))))
+    root = torch.nn.Module()
+    root.body = fx.GraphModule({}, body_graph)
+    graph = fx.Graph()
+    inputs = [torch.randn(3, 3), torch.randn(3, 3)]
+    x, w = (graph.placeholder(name) for name in ("x", "w"))
+    x.meta["val"], w.meta["val"] = inputs
+    saved = []
+    for _ in range(2):
+        call = graph.call_function(INVOKE_SUBGRAPH, (graph.get_attr("body"), "body", x, w))
+        out, through, view = (graph.call_function(operator.getitem, (call, i)) for i in range(3))
+        saved += [through, view]
+        x = out
+    graph.output((x, *saved))
+    for node, value in zip(root.body.graph.find_nodes(op="placeholder"), inputs):
+        node.meta["val"] = value
+    for node in [n for n in root.body.graph.nodes if n.op == "call_function"]:
+        node.meta["val"] = node.target(*fx.node.map_arg(node.args, lambda a: a.meta["val"]))
+    return fx.GraphModule(root, graph), inputs
+
+
+def test_a_body_returns_none_of_its_inputs_the_step_takes_them_from_the_operands() -> None:
+    """``unalias_body_outputs`` on a hand-built joint graph: Inductor lowers every output of a body call as a buffer of
+    its own, so one that is the call's operand, or a view of it, would be overwritten where the step reuses the
+    operand's storage ([Note: shared bodies])."""
+    from fsdp_compile.passes.unalias_body_outputs import apply_unalias, plan_unalias
+
+    gm, inputs = _aliasing_step()
+    want = gm(*inputs)
+    plan = plan_unalias(gm.graph)
+    assert [(a.body, a.output, a.placeholder, a.views) for a in plan.aliases] == [
+        ("body", 1, "x", ()), ("body", 2, "w", ("t_default",))]
+    apply_unalias(gm, plan)
+    assert not plan_unalias(gm.graph).aliases and len(gm.body.graph.output_node().args[0]) == 1
+    assert all(len(call.users) == 1 for call in region_calls(gm))  # each call's only output: x + w
+    torch.testing.assert_close(gm(*inputs), want, rtol=0, atol=0)
+
+
+def test_a_body_output_aliasing_an_input_on_a_compiled_graph_is_copied_and_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The guard behind the pass, on the graphs Inductor compiles (``copy_body_aliases``): an alias made after the joint
+    graph (a future torch, another pass) costs a copy, never a wrong gradient, and is said (``degraded``)."""
+    from fsdp_compile.passes.copy_body_aliases import CopyBodyAliases
+
+    gm, inputs = _aliasing_step()
+    want = gm(*inputs)
+    monkeypatch.setattr(fsdp_compile.debug, "_said", set())
+    torch._dynamo.utils.counters.clear()
+    with mock.patch.object(fsdp_compile.debug.log, "warning") as warning:
+        CopyBodyAliases()(gm.graph)
+    assert torch._dynamo.utils.counters["fsdp_compile"]["shared_body_output_copied"] == 2
+    (said,) = warning.call_args_list
+    assert "the shared body body returns its input x (operand 0) as output 1" in said.args[0] % said.args[1:]
+    outputs = gm.body.graph.output_node().args[0]
+    assert [o.target for o in outputs[1:]] == [torch.ops.aten.clone.default] * 2
+    got = gm(*inputs)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert got[1].untyped_storage().data_ptr() != inputs[0].untyped_storage().data_ptr()  # a copy, not the input
+
+
 class _Plain(Block):
     """Another class with the same code and shapes as Block: no reason for a body of its own."""
 

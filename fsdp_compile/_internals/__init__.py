@@ -207,6 +207,36 @@ def body_schemas_once() -> Iterator[None]:
         del INVOKE_SUBGRAPH.gen_schema
 
 
+def _float64_cpu_flash_attention() -> None:
+    """Torch 2.11's fake kernel of the CPU flash attention (``F.scaled_dot_product_attention`` on CPU) gives a float64
+    query a float32 logsumexp, which the kernel computes in float64: the compiled backward then hands the backward
+    kernel a float32 buffer ("expected scalar type Double but found Float", plain ``torch.compile`` too). Torch 2.13's
+    gives the query's computation dtype. Where this torch's is wrong, its Meta kernel is replaced by one that says
+    float64 for float64 (found by asking it once, at import)."""
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    fake = _need("torch._decomp", "meta_table").get(getattr(op, "default", None))
+    if fake is None:
+        return
+    query = torch.empty(1, 1, 1, 8, dtype=torch.float64, device="meta")
+    if fake(query, query, query)[1].dtype == torch.float64:
+        return
+
+    def fixed(query: torch.Tensor, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        attention, logsumexp = fake(query, *args, **kwargs)
+        if query.dtype == torch.float64:
+            logsumexp = torch.empty_strided(logsumexp.shape, logsumexp.stride(), dtype=torch.float64,
+                                            device=logsumexp.device)
+        return attention, logsumexp
+
+    global _flash_attention_meta
+    _flash_attention_meta = torch.library.Library("aten", "IMPL", "Meta")
+    _flash_attention_meta.impl(op.default, fixed)
+
+
+_flash_attention_meta: Any = None
+_float64_cpu_flash_attention()
+
+
 _lowering: Any = importlib.import_module("torch._inductor.graph")
 _functorch_config: Any = _need("torch._functorch", "config")
 BODY_DONATION_HOOK: bool = hasattr(_lowering.GraphLowering, "make_subgraph") and callable(
