@@ -114,9 +114,10 @@ CASES_2 = {
     # Each backend switch that changes the graphs around the bodies, on the tied Llama with the coincidence.
     "no_overlap_not_resharded": Case(_llama(), [Block], shard={"reshard_after_forward": False},
                                      backend={"overlap": False}, tokens=VOCAB_TOKENS),
-    "no_memory_plan_no_gradients_in_place_no_prefetch": Case(
+    # ... and the root (embedding, norm, output) alone kept gathered from forward to backward.
+    "no_memory_plan_no_gradients_in_place_no_prefetch_root_kept": Case(
         _llama(), [Block], backend={"memory_plan": False, "gradients_in_place": False, "prefetch": 0},
-        tokens=VOCAB_TOKENS),
+        shard={"reshard_after_forward": lambda fqn, module: fqn != ""}, tokens=VOCAB_TOKENS),
 }
 CASES_3 = {
     # testing.llama, untied, blocks of three kinds: two called once (first, middle), one shared; padded shards.

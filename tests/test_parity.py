@@ -271,13 +271,14 @@ def test_parity_inductor(name: str) -> None:
     run_ranks(_train_and_compare, world_size, case)
 
 
-@pytest.mark.parametrize("compiler, world_size", [("aot_eager", 1), ("aot_eager", 2), ("aot_eager", 3), ("eager", 2)])
+@pytest.mark.parametrize("compiler, world_size", [("aot_eager", 1), ("aot_eager", 3), ("eager", 2)])
 def test_parity_cpu_offload(compiler: str, world_size: int) -> None:
     """FSDP2's ``CPUOffloadPolicy``: float64 parity with the unsharded model, the optimizer stepping on the host
     pieces. On 1 and 3 ranks (3: shards padded), two micro-batches accumulated and the sum delivered once (the
     accumulator on the device, also on one rank, where nothing is reduced: the gradient copied to the host once).
-    Inductor: ``test_parity_inductor[...-cpu_offload]`` (float64 on 3 ranks, bf16 accumulated on 2) and
-    ``tests/test_gradient_checkpointing.py`` (float64 on 2 ranks)."""
+    Inductor: ``test_parity_inductor[...-cpu_offload]`` (float64 on 3 ranks, bf16 accumulated on 2, compiled on 2
+    ranks without accumulation), ``tests/test_gradient_checkpointing.py`` (float64 on 2 ranks) and
+    ``tests/test_default_path.py`` (peft's LoRA on 1 rank)."""
     accumulated = {"micro_batches": 2, "gradient_sync": False} if world_size != 2 else {}
     case = Case(compiler, torch.float64, torch.float64, steps=3, offload=True, **accumulated)
     run_ranks(_train_and_compare, world_size, case)
@@ -306,12 +307,10 @@ def test_parity_replicated_only() -> None:
     run_ranks(_train_and_compare, 2, case)
 
 
-@pytest.mark.parametrize("compiler", ["aot_eager", "eager"])
-def test_parity_root_not_resharded_after_forward(compiler: str) -> None:
-    """``reshard_after_forward`` a predicate (every unit but the root): compiled, with shared bodies (the Inductor
-    case's graph break turns them off)."""
-    dtype = torch.float64 if compiler == "eager" else torch.float32
-    run_ranks(_train_and_compare, 2, Case(compiler, dtype, dtype, steps=3, keep_root_gathered=True))
+def test_parity_root_not_resharded_after_forward() -> None:
+    """``reshard_after_forward`` a predicate (every unit but the root), eager (compiled with shared bodies:
+    tests/test_default_path.py; with graph breaks, which turn them off: test_parity_inductor[float64-world3-...])."""
+    run_ranks(_train_and_compare, 2, Case("eager", torch.float64, torch.float64, steps=3, keep_root_gathered=True))
 
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "reduce_scatter"])
