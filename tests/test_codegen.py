@@ -36,7 +36,7 @@ EXCHANGE = "extern_kernels.fsdp_compile_exchange_into_slot("
 
 
 # Settings that leave the CPU kernels as they are (Inductor's cache has them): max-autotune's GEMM tuning would build
-# kernels of its own (mode="max-autotune" reaches Inductor in test_parity_inductor[float64-...]). Each carries a
+# kernels of its own (mode="max-autotune" keeps the numbers: tests/test_default_path.py). Each carries a
 # test's compile; CUDA graphs are off by default.
 MODE = ({"mode": "reduce-overhead"}, {"triton.cudagraphs": True})
 OPTIONS = ({"options": {"epilogue_fusion": False, "coordinate_descent_tuning": True}},

@@ -52,6 +52,8 @@ class Case(NamedTuple):
     """More ``shard()`` options."""
     backend: dict[str, Any] | None = None
     """``fsdp_compile.backend(**backend)``; None: ``backend="fsdp_compile"``, as users write it."""
+    mode: str | None = None
+    """``torch.compile(mode=...)``."""
     tokens: tuple[int, int] = (2, 8)
     """(sequences, tokens a sequence) a rank."""
     bodies: int = 1
@@ -114,21 +116,27 @@ CASES_2 = {
     # Each backend switch that changes the graphs around the bodies, on the tied Llama with the coincidence.
     "no_overlap_not_resharded": Case(_llama(), [Block], shard={"reshard_after_forward": False},
                                      backend={"overlap": False}, tokens=VOCAB_TOKENS),
-    # ... and the root (embedding, norm, output) alone kept gathered from forward to backward.
-    "no_memory_plan_no_gradients_in_place_no_prefetch_root_kept": Case(
+    # ... and the root (embedding, norm, output) alone kept gathered from forward to backward, and torch.compile's
+    # mode= (its settings reach Inductor beside the passes': tests/test_codegen.py; "max-autotune" would turn CUDA
+    # graphs on, under which the bodies are written out: [Note: shared bodies]).
+    "no_memory_plan_no_gradients_in_place_no_prefetch_root_kept_max_autotune": Case(
         _llama(), [Block], backend={"memory_plan": False, "gradients_in_place": False, "prefetch": 0},
-        shard={"reshard_after_forward": lambda fqn, module: fqn != ""}, tokens=VOCAB_TOKENS),
+        shard={"reshard_after_forward": lambda fqn, module: fqn != ""}, mode="max-autotune-no-cudagraphs",
+        tokens=VOCAB_TOKENS),
 }
 CASES_3 = {
     # testing.llama, untied, blocks of three kinds: two called once (first, middle), one shared; padded shards.
     "llama_untied_two_kinds_called_once": Case(_two_kinds, [Block], tokens=VOCAB_TOKENS),
-    # Mixtral: the experts' loop breaks the graph and runs as often as a rank's tokens hit experts (the 3-rank crash).
+    # Mixtral: the experts' loop breaks the graph (every unit then gathered from Python, its forward compiled in pieces)
+    # and runs as often as a rank's tokens hit experts (the 3-rank crash).
     "hf_mixtral": Case(_hf("mixtral"), is_decoder_layer, HF, bodies=0),
 }
 CASES_1 = {
-    # peft's LoRA on one rank, offloaded: every LoRA fine-tune (shared bodies with nothing to reduce).
-    "hf_llama_lora_offloaded": Case(_hf("llama", add_lora, layers=3), is_decoder_layer, HF,
-                                    shard={"offload_policy": CPUOffloadPolicy(pin_memory=False)}),
+    # peft's LoRA on one rank, offloaded, its adapters in float32 over the float64 base (Inductor's code for a unit of
+    # two dtypes): every LoRA fine-tune (shared bodies with nothing to reduce).
+    "hf_llama_lora_float32_adapters_offloaded": Case(
+        _hf("llama", lambda lm: add_lora(lm, torch.float32), layers=3), is_decoder_layer, HF,
+        shard={"offload_policy": CPUOffloadPolicy(pin_memory=False)}),
 }
 
 
@@ -147,7 +155,7 @@ def _train(rank: int, world_size: int) -> None:
         lm, ref_lm = (model.lm, ref.lm) if hf else (model, ref)
         fsdp_compile.shard(lm, units=case.units, **case.shard)
         backend = "fsdp_compile" if case.backend is None else fsdp_compile.backend(**case.backend)
-        compiled = torch.compile(lm, backend=backend)
+        compiled = torch.compile(lm, backend=backend, mode=case.mode)
         run = CausalLMLoss(compiled) if hf else compiled
         worst_of: dict[str, str] = {}
         batch, seq = case.tokens

@@ -230,11 +230,8 @@ def _train_and_compare_here(rank: int, world_size: int, case: Case) -> None:
                   f"worst grad {worst_grad} rel {grad_errors[worst_grad]:.1e}; worst param {worst} rel {errors[worst]:.1e}")
         assert errors[worst] <= param_tol, f"step {step}: {worst} rel. error {errors[worst]:.2e} > {param_tol}"
     sharded_over = case.mesh[1] if case.mesh else world_size
-    if case.compiler != "eager" and sharded_over > 1:  # the plan was applied (or not): slabs exist (or not). No slot
-        # holds a unit kept gathered (saved for backward), nor one gathered outside the graphs (graph breaks in units):
-        # none where that is every gather (every unit kept gathered: tests/test_default_path.py)
-        slotted = case.memory_plan and not (case.graph_break and case.keep_root_gathered)
-        assert (fsdp_compile.slab_bytes() > 0) == slotted, fsdp_compile.slab_bytes()
+    if case.compiler != "eager" and sharded_over > 1:  # the plan was applied (or not): slabs exist (or not)
+        assert (fsdp_compile.slab_bytes() > 0) == case.memory_plan, fsdp_compile.slab_bytes()
     # The optimizer's state against the unsharded reference optimizer's, parameter by parameter.
     state = fsdp_compile.full_optimizer_state_dict(model, opt)["state"]
     for name, param in ref.named_parameters():
@@ -250,11 +247,8 @@ def _train_and_compare_here(rank: int, world_size: int, case: Case) -> None:
 # Inductor's own parity cases, each several features at once (docs/architecture.md, "Testing numerics", says
 # which claim is checked under which compiler); every feature's numerics are checked with aot_eager as well.
 INDUCTOR_CASES = {
-    # float64, 3 ranks (padded shards), torch.compile's mode= (it reaches Inductor: tests/test_codegen.py), the root
-    # kept gathered after forward, a graph break inside every unit, CPU offload.
-    "float64-world3-max_autotune-root_kept-graph_break-cpu_offload": (3, Case(
-        "inductor", torch.float64, torch.float64, steps=3, mode="max-autotune", keep_root_gathered=True,
-        graph_break=True, offload=True)),
+    # float64 on 2 and 3 ranks, torch.compile's mode=, the root kept gathered, graph breaks inside units, CPU offload on
+    # 1 rank: tests/test_default_path.py.
     # bf16 parameters, fp32 sums: the all-to-all exchanges, in the memory plan's slots; gradients accumulated over
     # micro-batches and reduced once; selective activation checkpointing; no overlap pass (Inductor's own
     # peak-memory reordering then moves the collectives); CPU offload (the sum kept on the device, copied once).
@@ -276,9 +270,8 @@ def test_parity_cpu_offload(compiler: str, world_size: int) -> None:
     """FSDP2's ``CPUOffloadPolicy``: float64 parity with the unsharded model, the optimizer stepping on the host
     pieces. On 1 and 3 ranks (3: shards padded), two micro-batches accumulated and the sum delivered once (the
     accumulator on the device, also on one rank, where nothing is reduced: the gradient copied to the host once).
-    Inductor: ``test_parity_inductor[...-cpu_offload]`` (float64 on 3 ranks, bf16 accumulated on 2, compiled on 2
-    ranks without accumulation), ``tests/test_gradient_checkpointing.py`` (float64 on 2 ranks) and
-    ``tests/test_default_path.py`` (peft's LoRA on 1 rank)."""
+    Inductor: ``test_parity_inductor[...-cpu_offload]`` (bf16 accumulated on 2 ranks), ``tests/test_gradient_checkpointing.py``
+    (float64 on 2 ranks) and ``tests/test_default_path.py`` (peft's LoRA on 1 rank)."""
     accumulated = {"micro_batches": 2, "gradient_sync": False} if world_size != 2 else {}
     case = Case(compiler, torch.float64, torch.float64, steps=3, offload=True, **accumulated)
     run_ranks(_train_and_compare, world_size, case)
@@ -308,8 +301,7 @@ def test_parity_replicated_only() -> None:
 
 
 def test_parity_root_not_resharded_after_forward() -> None:
-    """``reshard_after_forward`` a predicate (every unit but the root), eager (compiled with shared bodies:
-    tests/test_default_path.py; with graph breaks, which turn them off: test_parity_inductor[float64-world3-...])."""
+    """``reshard_after_forward`` a predicate (every unit but the root), eager (compiled: tests/test_default_path.py)."""
     run_ranks(_train_and_compare, 2, Case("eager", torch.float64, torch.float64, steps=3, keep_root_gathered=True))
 
 
@@ -330,10 +322,6 @@ def test_parity_exchanges_into_slots() -> None:
 
 def test_parity_eager_without_compile() -> None:
     run_ranks(_train_and_compare, 2, Case("eager", torch.float64, torch.float64, steps=3))
-
-
-def test_parity_graph_break_inside_units() -> None:
-    run_ranks(_train_and_compare, 2, Case("aot_eager", steps=3, graph_break=True))
 
 
 @pytest.mark.parametrize("gradient_sync", [True, False], ids=["sync-each", "reduce-once"])

@@ -40,10 +40,11 @@ def tiny_causal_lm(family: str = "llama", dtype: torch.dtype = torch.float64, *,
     return model_class(cfg).to(dtype)
 
 
-def add_lora(lm: nn.Module) -> nn.Module:
+def add_lora(lm: nn.Module, adapter_dtype: torch.dtype | None = None) -> nn.Module:
     """peft's LoRA as its docs set it up (r=4 on the q and v projections); on a bf16 model, peft's default
-    (``autocast_adapter_dtype=True``) makes the adapters float32: two dtypes in every decoder layer. peft's B starts at
-    zero: here it is drawn, so that the adapters have a gradient to check."""
+    (``autocast_adapter_dtype=True``) makes the adapters float32: two dtypes in every decoder layer; ``adapter_dtype``:
+    the adapters in that dtype whatever the base's (peft runs each adapter in its own dtype, its output added to the
+    base's). peft's B starts at zero: here it is drawn, so that the adapters have a gradient to check."""
     import peft
 
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
@@ -51,6 +52,10 @@ def add_lora(lm: nn.Module) -> nn.Module:
     for name, param in model.named_parameters():
         if "lora_B" in name:
             nn.init.normal_(param, std=0.02)
+    if adapter_dtype is not None:
+        for name, module in model.named_modules():
+            if name.endswith(("lora_A.default", "lora_B.default")):
+                module.to(adapter_dtype)
     return model
 
 
