@@ -119,13 +119,23 @@ class EagerUnit:
         return gathered[offset : offset + numel].view(shape)
 
     def pre_forward(self, module: torch.nn.Module, args: Any) -> None:
-        if torch.compiler.is_compiling():
-            return
+        if not torch.compiler.is_compiling():
+            self._gather_resharded()
+
+    def _gather_resharded(self) -> None:
+        """Gather the unit for its forward; saved views of it are gathered again in backward (``_SavedView``)."""
         self.gathered = self._gather_now()
         if self._reshard:
             live_gathers[self.gathered.untyped_storage().data_ptr()] = self
             self._hooks.append(torch.autograd.graph.saved_tensors_hooks(_pack, _unpack))
             self._hooks[-1].__enter__()
+
+    def _drop_gathered(self) -> None:
+        """Drop the gathered unit (and the saved-tensor hooks of ``_gather_resharded``, if it installed them)."""
+        if self._hooks:
+            self._hooks.pop().__exit__(None, None, None)
+            del live_gathers[self.gathered.untyped_storage().data_ptr()]  # type: ignore[union-attr]
+        self.gathered = None
 
     @contextlib.contextmanager
     def gathered_for_forward(self, *, resharded: bool = False) -> Iterator[None]:
@@ -139,23 +149,17 @@ class EagerUnit:
             return
         counters["fsdp_compile"]["eager_forward_gathers"] += 1
         if resharded:
-            self.pre_forward(None, ())  # type: ignore[arg-type]
+            self._gather_resharded()
         else:
             self.gathered = self._gather_now()
         try:
             yield
         finally:
-            if resharded:
-                self.post_forward(None, (), None)  # type: ignore[arg-type]
-            self.gathered = None
+            self._drop_gathered()
 
     def post_forward(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if torch.compiler.is_compiling() or self.gathered is None:
-            return
-        if self._hooks:
-            self._hooks.pop().__exit__(None, None, None)
-            del live_gathers[self.gathered.untyped_storage().data_ptr()]
-        self.gathered = None
+        if not torch.compiler.is_compiling() and self.gathered is not None:
+            self._drop_gathered()
 
     def _unpack(self, saved: _SavedView) -> torch.Tensor:
         # Gathered again for this backward, unless a gather of the same shard version is still held. Views

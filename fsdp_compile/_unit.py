@@ -211,11 +211,11 @@ class UnitState:
                 f"{slot.names[0]} was frozen (requires_grad=False) when fsdp_compile.shard() ran and now requires a "
                 "gradient: it lives in a buffer without one and would never train. Set requires_grad before shard()"
             )
-        if torch.compiler.is_compiling() and self.eager.gathered is None:
+        if torch.compiler.is_compiling():
+            if self.eager.gathered is not None:  # a piece of a forward compiled apart: gathered around it, in Python
+                return self.eager.param(slot.offset, slot.numel, slot.shape)
             return unshard(self.flat, self.accum, slot.offset, slot.numel, list(slot.shape), self.param_dtype,
                            self.compute_device)
-        if torch.compiler.is_compiling():  # a piece of the unit's forward traced apart: its hooks gathered it
-            return self.eager.param(slot.offset, slot.numel, slot.shape)
         if self.outside is not None:
             return self.outside(slot)
         if self.flat.is_meta:
