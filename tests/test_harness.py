@@ -87,3 +87,28 @@ def test_pooled_ranks_are_kept_and_each_call_finds_them_as_new(tmp_path: "os.Pat
     run_ranks(_pooled, 2, {}, {})  # a new pool
     run_ranks(_pid, 2, path)
     assert all(int(open(f"{path}.{rank}").read().split()[0]) != pid for rank, (pid, _) in pids.items())
+
+
+def test_reference_step_in_mixed_precision_leaves_frozen_parameters_without_a_gradient() -> None:
+    """The mixed-precision reference (each rank's micro-batch in bf16, gradients averaged in the reference's dtype)
+    skips frozen parameters, as the reference's own backward does, and averages the trained ones over the ranks."""
+    from fsdp_compile.testing.llama import LLAMA_TESTS, Llama
+    from fsdp_compile.testing.reference import reference_step
+
+    torch.manual_seed(0)
+    ref = Llama(LLAMA_TESTS)
+    ref.tok_embeddings.weight.requires_grad_(False)
+    tokens = torch.randint(0, LLAMA_TESTS.vocab_size, (4, 9))
+    low = Llama(LLAMA_TESTS).to(torch.bfloat16)
+    low.load_state_dict(ref.state_dict())
+    low.tok_embeddings.weight.requires_grad_(False)
+    for micro in tokens.chunk(2):
+        low(micro[:, :-1], micro[:, 1:]).backward()
+
+    reference_step(ref, tokens, torch.bfloat16, world_size=2)
+
+    assert ref.tok_embeddings.weight.grad is None
+    for name, p in ref.named_parameters():
+        if p.requires_grad:  # the sum of the two micro-batches' bf16 gradients, halved in float32
+            q = low.get_parameter(name)
+            torch.testing.assert_close(p.grad, q.grad.float() / 2, rtol=1e-2, atol=1e-4, msg=name)
