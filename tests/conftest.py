@@ -50,11 +50,10 @@ def fake_pg():
 
 # The files that take longest (most compiles), first: the two workers take a file at a time in this order, and a
 # long file started last would run alone at the end while the other worker idles.
-LONGEST_FIRST = ("test_default_path.py", "test_parity.py", "test_benchmark.py", "test_examples.py",
-                 "test_gradient_checkpointing.py", "test_codegen.py", "test_init_parameters.py", "test_finetune.py",
-                 "test_graphs.py", "test_failures.py", "test_plan_memory.py", "test_hf_checkpoint.py", "test_explain.py",
-                 "test_shared_bodies.py", "test_dcp.py", "test_rank_consistency.py", "test_schedule.py",
-                 "test_recompiles.py")
+LONGEST_FIRST = ("test_default_path.py", "test_codegen.py", "test_benchmark.py", "test_parity.py", "test_examples.py",
+                 "test_failures.py", "test_graphs.py", "test_recompiles.py", "test_init_parameters.py",
+                 "test_finetune.py", "test_gradient_checkpointing.py", "test_plan_memory.py", "test_shared_bodies.py",
+                 "test_rank_consistency.py", "test_dcp.py", "test_schedule.py", "test_explain.py", "test_lowering.py")
 """From tests/budget.py's table of a fresh run (keep it in that order when a file's time changes a lot)."""
 
 

@@ -230,7 +230,9 @@ def _float64_cpu_flash_attention() -> None:
 
     global _flash_attention_meta
     _flash_attention_meta = torch.library.Library("aten", "IMPL", "Meta")
-    _flash_attention_meta.impl(op.default, fixed)
+    # The wrong kernel is itself a Python one: replacing it takes allow_override, False by default on some torches.
+    takes = "allow_override" in inspect.signature(_flash_attention_meta.impl).parameters
+    _flash_attention_meta.impl(op.default, fixed, **({"allow_override": True} if takes else {}))
 
 
 _flash_attention_meta: Any = None
