@@ -212,7 +212,8 @@ def _float64_cpu_flash_attention() -> None:
     query a float32 logsumexp, which the kernel computes in float64: the compiled backward then hands the backward
     kernel a float32 buffer ("expected scalar type Double but found Float", plain ``torch.compile`` too). Torch 2.13's
     gives the query's computation dtype. Where this torch's is wrong, its Meta kernel is replaced by one that says
-    float64 for float64 (found by asking it once, at import)."""
+    float64 for float64 (found by asking it once, at import). A graph compiled without it, in Inductor's FX graph cache,
+    stays wrong: the cache's key does not see a fake kernel."""
     op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
     fake = _need("torch._decomp", "meta_table").get(getattr(op, "default", None))
     if fake is None:
@@ -228,11 +229,15 @@ def _float64_cpu_flash_attention() -> None:
                                             device=logsumexp.device)
         return attention, logsumexp
 
+    # The wrong kernel is a Python one, registered twice: as the operator's Meta kernel (the dispatcher's; replacing
+    # it takes allow_override, False by default on some torches) and as its Python-dispatcher kernel (tracing's).
     global _flash_attention_meta
     _flash_attention_meta = torch.library.Library("aten", "IMPL", "Meta")
-    # The wrong kernel is itself a Python one: replacing it takes allow_override, False by default on some torches.
     takes = "allow_override" in inspect.signature(_flash_attention_meta.impl).parameters
     _flash_attention_meta.impl(op.default, fixed, **({"allow_override": True} if takes else {}))
+    if torch._C.DispatchKey.Meta in op.default.py_kernels:
+        op.default.py_kernels[torch._C.DispatchKey.Meta] = fixed
+        op.default._dispatch_cache.clear()
 
 
 _flash_attention_meta: Any = None
