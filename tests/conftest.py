@@ -6,13 +6,8 @@ import platform
 import tempfile
 import time
 
-# Kernels compiled one at a time by the process that asks, not by Inductor's default pool of worker processes: every
-# rank process would start a pool of its own (a torch import each) and gain nothing where the ranks fill the cores.
-# (Kept out of the cache keys by Inductor: the kernels are the same.) Set before torch reads it, inherited by the ranks.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 from budget import RECORD  # where the last run's durations go: tests/budget.py reads them
 from hypothesis import HealthCheck, settings
 
