@@ -35,7 +35,7 @@ AG = (torch.ops._c10d_functional.all_gather_into_tensor.default, torch.ops.fsdp_
 # (averaging the ranks' gradients as the sharded model does: micro_batch_step). float64: only the reduction order
 # differs (measured up to 1.7e-15). bf16 base with float32 adapters: the bf16 matmuls are the same ops on both sides,
 # the adapters' gradients are summed in float32 in another order (measured up to 3.8e-7, float32's resolution 6e-8
-# times a few). Inductor's kernels on a unit of two dtypes: tests/test_gradient_checkpointing.py's Inductor case.
+# times a few). Inductor's kernels on a unit of two dtypes: tests/test_default_path.py's LoRA cases.
 TOLERANCES = {torch.float64: (1e-12, 1e-12, 1e-12), torch.bfloat16: (1e-6, 1e-6, 1e-6)}
 
 
@@ -114,7 +114,7 @@ def test_finetuning_matches_the_unsharded_model(tmp_path: pathlib.Path) -> None:
     (aot_eager), as the unsharded model does; frozen parameters are bitwise as they were and get no gradient.
     peft's adapters: gathered from the sharded model they are the unsharded model's, bitwise; saved with
     ``save_pretrained`` and loaded onto an unsharded base, the trained ones, bitwise. (Inductor's kernels on a unit
-    of two dtypes: tests/test_gradient_checkpointing.py.)"""
+    of two dtypes: tests/test_default_path.py.)"""
     run_ranks(_finetune, 3, tmp_path)
 
 
