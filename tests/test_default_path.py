@@ -56,6 +56,8 @@ class Case(NamedTuple):
     """``torch.compile(mode=...)``."""
     tokens: tuple[int, int] = (2, 8)
     """(sequences, tokens a sequence) a rank."""
+    accumulate: int = 1
+    """Micro-batches a step (gradient accumulation, each backward reduced)."""
     bodies: int = 1
     """Shared bodies the step's graphs call (each distinct block called more than once)."""
 
@@ -104,8 +106,8 @@ VOCAB_TOKENS = (4, 16)
 """A rank's tokens as many as the vocabulary (64)."""
 
 CASES_2 = {
-    # testing.llama, tied: the README's model; the size coincidence.
-    "llama_tied": Case(_llama(), [Block], tokens=VOCAB_TOKENS),
+    # testing.llama, tied: the README's model; the size coincidence; gradients accumulated over two micro-batches.
+    "llama_tied": Case(_llama(), [Block], tokens=VOCAB_TOKENS, accumulate=2),
     # peft's LoRA on a Hugging Face Llama, base frozen: every LoRA fine-tune. Its adapters in float32 over the float64
     # base, as peft makes them over a bf16 one (Inductor's code for units of two dtypes; the same code on 1 rank).
     # Three layers: the first gets a body of its own (called once: written out), the others share one.
@@ -163,7 +165,7 @@ def _train(rank: int, world_size: int) -> None:
         worst_of: dict[str, str] = {}
         batch, seq = case.tokens
         worst = train_side_by_side(run, ref, lm, ref_lm, steps=2, rank=rank, world_size=world_size, batch=batch,
-                                   seq=seq, worst_of=worst_of)
+                                   seq=seq, worst_of=worst_of, accumulate=case.accumulate)
         said = f"{name} world {world_size}: " + ", ".join(
             f"{k} {v:.1e}" + (f" ({worst_of[k]})" if k in worst_of else "") for k, v in worst.items())
         if rank == 0:

@@ -71,28 +71,36 @@ def trainable(module: nn.Module) -> dict[str, torch.Tensor]:
 def train_side_by_side(
     run: Callable[..., torch.Tensor], run_ref: Callable[..., torch.Tensor], lm: nn.Module, ref_lm: nn.Module, *,
     steps: int, rank: int, world_size: int, after_backward: Callable[[int], None] = lambda step: None,
-    batch: int = 2, seq: int = 8, vocab: int = VOCAB, worst_of: dict[str, str] | None = None,
+    batch: int = 2, seq: int = 8, vocab: int = VOCAB, worst_of: dict[str, str] | None = None, accumulate: int = 1,
 ) -> dict[str, float]:
     """``steps`` AdamW steps (lr 1e-2) of the sharded model (``run(inputs, targets) -> loss``, its model ``lm``) on this
     rank's micro-batch (``batch`` sequences of ``seq`` tokens below ``vocab``), and of the unsharded one (``run_ref``,
-    ``ref_lm``) on every rank's micro-batch, gradients averaged (``micro_batch_step``). Returns the worst relative
-    errors of the mean loss, the trainable gradients and, after the steps, the parameters; ``worst_of``, if given,
-    receives the name of the worst gradient and parameter. ``after_backward(step)`` runs after the sharded backward.
-    Frozen parameters must get no gradient."""
+    ``ref_lm``) on every rank's micro-batch, gradients averaged (``micro_batch_step``); ``accumulate``: micro-batches a
+    step, their gradients summed (each backward reduced, as FSDP2 does by default). Returns the worst relative errors of
+    the mean loss, the trainable gradients and, after the steps, the parameters; ``worst_of``, if given, receives the
+    name of the worst gradient and parameter. ``after_backward(step)`` runs after the sharded backward. Frozen
+    parameters must get no gradient."""
     opt = torch.optim.AdamW(trainable(lm).values(), lr=1e-2)
     ref_opt = torch.optim.AdamW(trainable(ref_lm).values(), lr=1e-2)
     worst = {"loss": 0.0, "grad": 0.0, "param": 0.0}
     names = worst_of if worst_of is not None else {}
     for step in range(steps):
-        tokens = torch.randint(0, vocab, (batch * world_size, seq + 1), generator=torch.Generator().manual_seed(step))
-        local = tokens[batch * rank : batch * (rank + 1)]
-        loss = run(local[:, :-1], local[:, 1:])
-        loss.backward()
-        after_backward(step)
-        ref_loss = micro_batch_step(run_ref, tokens, world_size)
-        losses = [torch.zeros((), dtype=loss.dtype) for _ in range(world_size)]
-        dist.all_gather(losses, loss.detach())
-        worst["loss"] = max(worst["loss"], rel_error(torch.stack(losses).mean(), ref_loss))
+        for micro in range(accumulate):
+            seed = torch.Generator().manual_seed(step * accumulate + micro)
+            tokens = torch.randint(0, vocab, (batch * world_size, seq + 1), generator=seed)
+            local = tokens[batch * rank : batch * (rank + 1)]
+            loss = run(local[:, :-1], local[:, 1:])
+            loss.backward()
+            after_backward(step)
+            earlier = {p: p.grad for p in ref_lm.parameters()}
+            ref_lm.zero_grad()
+            ref_loss = micro_batch_step(run_ref, tokens, world_size)
+            for p, grad in earlier.items():
+                if grad is not None:
+                    p.grad = grad if p.grad is None else p.grad + grad
+            losses = [torch.zeros((), dtype=loss.dtype) for _ in range(world_size)]
+            dist.all_gather(losses, loss.detach())
+            worst["loss"] = max(worst["loss"], rel_error(torch.stack(losses).mean(), ref_loss))
         grads = full_grads(lm)
         for name, param in trainable(ref_lm).items():
             _note_worst(worst, names, "grad", name, rel_error(grads[name], param.grad))
