@@ -92,12 +92,7 @@ def train_side_by_side(
             loss = run(local[:, :-1], local[:, 1:])
             loss.backward()
             after_backward(step)
-            earlier = {p: p.grad for p in ref_lm.parameters()}
-            ref_lm.zero_grad()
             ref_loss = micro_batch_step(run_ref, tokens, world_size)
-            for p, grad in earlier.items():
-                if grad is not None:
-                    p.grad = grad if p.grad is None else p.grad + grad
             losses = [torch.zeros((), dtype=loss.dtype) for _ in range(world_size)]
             dist.all_gather(losses, loss.detach())
             worst["loss"] = max(worst["loss"], rel_error(torch.stack(losses).mean(), ref_loss))

@@ -60,12 +60,15 @@ class CausalLMLoss(nn.Module):
 
 
 def micro_batch_step(ref: nn.Module, tokens: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Forward and backward of the unsharded ``ref`` on each rank's micro-batch, then the gradients averaged:
-    what the sharded model computes. Not one pass over the whole batch, nor ``(loss / world_size).backward()``:
-    Hugging Face's RMSNorm computes in float32, so the gradients of a float64 Llama are rounded to float32 there,
-    and scaling before that rounding or after it differs by ~1e-7 for 3 ranks (not for 2: exact in binary).
-    Parameters that do not require a gradient are left as they are."""
-    losses, grads = [], {}
+    """Forward and backward of the unsharded ``ref`` on each rank's micro-batch, the gradients averaged and added to
+    those the parameters hold (zero them for a step of its own; keep them to accumulate): what the sharded model
+    computes. Not one pass over the whole batch, nor ``(loss / world_size).backward()``: Hugging Face's RMSNorm
+    computes in float32, so the gradients of a float64 Llama are rounded to float32 there, and scaling before that
+    rounding or after it differs by ~1e-7 for 3 ranks (not for 2: exact in binary). Parameters that do not require
+    a gradient are left as they are."""
+    grads = {p: p.grad for p in ref.parameters() if p.grad is not None}
+    ref.zero_grad()
+    losses = []
     for micro in tokens.chunk(world_size):
         loss = ref(micro[:, :-1], micro[:, 1:])
         loss.backward()
