@@ -89,7 +89,7 @@ def test_benchmark_runs_on_cpu_and_its_guards_name_only_the_broken_systems(tmp_p
     systems, Inductor's, run in the next test. Two systems are built from a broken library (``MUTATIONS``): one sums
     the gradients instead of averaging them, the other leaves a unit's gradient unreduced. The loss guard cannot tell
     (AdamW is invariant to a gradient scale); the gradient guard names each, and no other system (their
-    unbroken library trains as FSDP2 in ``test_parity_without_the_overlap_pass_or_the_memory_plan`` and
+    unbroken library trains as the unsharded model in ``tests/test_default_path.py`` and
     ``test_write_gradients_in_place.py``)."""
     broken = {"fsdp_compile_packed": "sum_not_average", "fsdp_compile_no_overlap": "one_unit_not_reduced"}
     proc, out = _bench(tmp_path, "--compiler", "aot_eager", mutations=broken)

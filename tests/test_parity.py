@@ -277,14 +277,6 @@ def test_parity_cpu_offload(compiler: str, world_size: int) -> None:
     run_ranks(_train_and_compare, world_size, case)
 
 
-def test_parity_without_the_overlap_pass_or_the_memory_plan() -> None:
-    """Both off: the collectives where the graph has them (no prefetch), each all-gather into its own buffer; with
-    selective activation checkpointing compiled (eager: test_parity_selective_activation_checkpointing)."""
-    case = Case("aot_eager", torch.float64, torch.float64, steps=3, overlap=False, memory_plan=False,
-                checkpoint="selective")
-    run_ranks(_train_and_compare, 2, case)
-
-
 @pytest.mark.parametrize("compiler", ["aot_eager", "eager"])
 def test_parity_hsdp_2x2(compiler: str) -> None:
     """HSDP on 4 ranks: sharded over pairs, replicated across them; float64 parity with the unsharded model.
@@ -324,17 +316,18 @@ def test_parity_eager_without_compile() -> None:
     run_ranks(_train_and_compare, 2, Case("eager", torch.float64, torch.float64, steps=3))
 
 
-@pytest.mark.parametrize("gradient_sync", [True, False], ids=["sync-each", "reduce-once"])
-def test_parity_gradient_accumulation(gradient_sync: bool) -> None:
-    """Three micro-batches, reduced each (and with activation checkpointing around every block) or once."""
-    case = Case("aot_eager", torch.float64, torch.float64, steps=3, micro_batches=3, gradient_sync=gradient_sync,
-                checkpoint=gradient_sync)
+def test_parity_gradient_accumulation() -> None:
+    """Three micro-batches reduced once, with selective activation checkpointing around every block (a policy that
+    saves the matmuls, torchtitan's kind). Each micro-batch reduced, and the backend's switches off, under Inductor
+    with every other default: ``tests/test_default_path.py``."""
+    case = Case("aot_eager", torch.float64, torch.float64, steps=3, micro_batches=3, gradient_sync=False,
+                checkpoint="selective")
     run_ranks(_train_and_compare, 2, case)
 
 
 def test_parity_selective_activation_checkpointing() -> None:
-    """A policy that saves the matmuls (torchtitan's kind), eager (compiled: test_parity_without_the_overlap_pass_or_
-    the_memory_plan; the gathered parameters not saved: tests/test_graphs.py)."""
+    """A policy that saves the matmuls (torchtitan's kind), eager (compiled: test_parity_gradient_accumulation; the
+    gathered parameters not saved: tests/test_graphs.py)."""
     run_ranks(_train_and_compare, 2, Case("eager", torch.float64, torch.float64, steps=3, checkpoint="selective"))
 
 
