@@ -173,6 +173,7 @@ def _build_unit(
         watch=watch,
         offload_to=offload_to,
         pin_memory=bool(offload_pin_memory),
+        float8=unit.float8,
     )
     return state, params
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,10 @@ class UnitSummary:
     shard_numel: int
     """Elements each rank holds (padding included)."""
     param_dtype: str
+    gather_dtype: str
+    """What its all-gather moves under compile: ``param_dtype``, or float8 for torchao's float8 weights."""
+    gather_bytes: int
+    """Bytes each rank sends in its all-gather (its shard, in ``gather_dtype``)."""
     reduce_dtype: str
     grad_reduction: str
     reshard_after_forward: bool
@@ -56,15 +61,23 @@ class ShardingSummary:
             + (f" x {self.replicas} replicas (HSDP)" if self.replicas > 1 else "")
             + f": {self.num_parameters:,} parameters "
             f"({self.num_local_parameters:,} on this rank)",
-            "| unit | parameters | per rank | param dtype | reduce dtype | gradient reduction | reshard |",
-            "|---|---|---|---|---|---|---|",
+            "| unit | parameters | per rank | param dtype | gathered as | reduce dtype | gradient reduction | reshard |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         lines += [
-            f"| {unit_label(u.name)} | {u.num_parameters:,} | {u.shard_numel:,} | {u.param_dtype} | {u.reduce_dtype} | "
-            f"{u.grad_reduction} | {u.reshard_after_forward} |"
+            f"| {unit_label(u.name)} | {u.num_parameters:,} | {u.shard_numel:,} | {u.param_dtype} | {gathered(u)} | "
+            f"{u.reduce_dtype} | {u.grad_reduction} | {u.reshard_after_forward} |"
             for u in self.units
         ]
         return "\n".join(lines)
+
+
+def gathered(unit: UnitSummary | dict[str, Any]) -> str:
+    """A unit's all-gather in a table: its dtype and the bytes each rank sends."""
+    u = unit if isinstance(unit, dict) else asdict(unit)
+    if "gather_dtype" not in u:  # a dump from before float8 all-gathers
+        return str(u["param_dtype"])
+    return f"{u['gather_dtype']}, {u['gather_bytes']:,} B a rank"
 
 
 def _summary(u: UnitState) -> UnitSummary:
@@ -75,6 +88,8 @@ def _summary(u: UnitState) -> UnitSummary:
         padded_numel=u.layout.padded_numel,
         shard_numel=u.layout.shard_numel,
         param_dtype=str(u.param_dtype),
+        gather_dtype=str(u.gather_dtype),
+        gather_bytes=u.layout.shard_numel * u.gather_dtype.itemsize,
         reduce_dtype=str(u.reduce_dtype),
         grad_reduction=u.grad_reduction if u.trainable else "none (frozen)",
         reshard_after_forward=u.reshard_after_forward,

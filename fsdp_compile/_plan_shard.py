@@ -15,6 +15,7 @@ Example (``units=[Block]`` on a two-block model with a tied embedding, 2 ranks):
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NamedTuple, Union
@@ -26,6 +27,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
 from fsdp_compile._internals import OptimizedModule
 from fsdp_compile._layout import UnitLayout, plan_layout
 from fsdp_compile.config import MixedPrecision
+from fsdp_compile.runtime.float8 import Float8Weight
 from fsdp_compile.runtime.ops import GradReduction
 
 __all__ = ["ReshardSpec", "ShardPlan", "UnitPlan", "UnitSpec", "plan_shard"]
@@ -48,6 +50,9 @@ class UnitPlan:
     reduce_dtype: torch.dtype
     grad_reduction: GradReduction
     reshard_after_forward: bool
+    float8: tuple[Float8Weight, ...] = ()
+    """torchao float8 weights gathered as float8 (every slot of the buffer, in order); empty: gathered in
+    ``param_dtype``."""
 
 
 @dataclass(frozen=True)
@@ -73,6 +78,7 @@ def _unit_json(unit: UnitPlan) -> dict[str, object]:
         "reduce_dtype": str(unit.reduce_dtype),
         "grad_reduction": unit.grad_reduction,
         "reshard_after_forward": unit.reshard_after_forward,
+        "float8": str(unit.float8[0].float8_dtype) if unit.float8 else None,
         "padded_numel": layout.padded_numel,
         "shard_numel": layout.shard_numel,
         "params": [{"names": s.names, "offset": s.offset, "numel": s.numel, "shape": s.shape} for s in layout.slots],
@@ -115,12 +121,16 @@ def plan_shard(
 
     planned = []
     for unit_fqn in dict.fromkeys(unit_of.values()):  # the root first, then units in module order
-        groups = _parameter_groups(by_unit.get(unit_fqn, []))
+        float8 = {p: _float8_cast(owners[p]) for p in by_unit.get(unit_fqn, [])}
+        groups = _parameter_groups(by_unit.get(unit_fqn, []), float8)
         resharded = reshard(unit_fqn) if groups else False
-        for (dtype, trainable), params in groups.items():
-            part = f"{_dtype_name(dtype)} {'trainable' if trainable else 'frozen'}" if len(groups) > 1 else ""
+        for (dtype, trainable, gathered_float8), params in groups.items():
+            part = _part(dtype, trainable, gathered_float8) if len(groups) > 1 else ""
             names = [(tuple(o.fqn for o in owners[p]), tuple(p.shape)) for p in params]
-            planned.append(_unit_plan(plan_layout(unit_fqn, names, world_size, part), dtype, mp, resharded))
+            layout = plan_layout(unit_fqn, names, world_size, part)
+            weights = tuple(Float8Weight(slot.offset, slot.numel, slot.shape, *float8[p])  # type: ignore[misc]
+                            for slot, p in zip(layout.slots, params)) if gathered_float8 else ()
+            planned.append(_unit_plan(layout, dtype, mp, resharded, weights))
     return ShardPlan(units=tuple(planned), world_size=world_size, offload_pin_memory=pin)
 
 
@@ -232,21 +242,54 @@ def _unit_of_parameter(owned: list[_Owner], unit_of: dict[str, str]) -> str:
     return units.pop()
 
 
-def _parameter_groups(params: list[nn.Parameter]) -> dict[tuple[torch.dtype, bool], list[nn.Parameter]]:
-    """A unit's parameters by (dtype, requires_grad), in order of first appearance: one flat buffer each, so
-    that only trainable parameters take part in the gradient, and every parameter is a contiguous view of
-    its buffer in its own dtype (see "Parameter groups" in docs/architecture.md)."""
-    groups: dict[tuple[torch.dtype, bool], list[nn.Parameter]] = {}
+def _parameter_groups(
+    params: list[nn.Parameter], float8: dict[nn.Parameter, tuple[object, ...] | None]
+) -> dict[tuple[torch.dtype, bool, object], list[nn.Parameter]]:
+    """A unit's parameters by (dtype, requires_grad, float8 dtype if gathered as float8), in order of first appearance: one flat
+    buffer each, so that only trainable parameters take part in the gradient, every parameter is a contiguous view of
+    its buffer in its own dtype, and the float8 weights travel in a buffer of their own (see "Parameter groups" in
+    docs/architecture.md)."""
+    groups: dict[tuple[torch.dtype, bool, object], list[nn.Parameter]] = {}
     for p in params:
-        groups.setdefault((p.dtype, p.requires_grad), []).append(p)
+        cast = float8[p]
+        groups.setdefault((p.dtype, p.requires_grad, None if cast is None else cast[0]), []).append(p)
     return groups
+
+
+def _float8_cast(owned: list[_Owner]) -> tuple[object, ...] | None:
+    """How torchao casts a weight that it gathers as float8 for FSDP2 (``Float8LinearConfig(
+    enable_fsdp_float8_all_gather=True)``, which torchao allows for tensorwise scaling only): the float8 dtype, the
+    module's ``LinearMMConfig`` as nested tuples, the scales' rounding; None for any other parameter (a weight tied to
+    a module that is not such a layer too)."""
+    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    if float8_linear is None:
+        return None
+    casts = set()
+    for owner in owned:
+        module = owner.module
+        if owner.name != "weight" or not isinstance(module, float8_linear.Float8Linear):
+            return None
+        config = module.config
+        if not config.enable_fsdp_float8_all_gather:
+            return None
+        casts.add((config.cast_config_weight.target_dtype, tuple(tuple(gemm) for gemm in module.linear_mm_config),
+                   config.round_scales_to_power_of_2))
+    return casts.pop() if len(casts) == 1 else None
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _unit_plan(layout: UnitLayout, dtype: torch.dtype, mp: MixedPrecision, reshard: bool) -> UnitPlan:
+def _part(dtype: torch.dtype, trainable: bool, gathered_as: object) -> str:
+    """A parameter group's name, e.g. ``"float32 trainable"``, ``"float32 trainable as float8_e4m3fn"``."""
+    gathered = f" as {_dtype_name(gathered_as)}" if isinstance(gathered_as, torch.dtype) else ""
+    return f"{_dtype_name(dtype)} {'trainable' if trainable else 'frozen'}{gathered}"
+
+
+def _unit_plan(
+    layout: UnitLayout, dtype: torch.dtype, mp: MixedPrecision, reshard: bool, float8: tuple[Float8Weight, ...] = ()
+) -> UnitPlan:
     """One buffer's settings: ``mp`` applies to floating dtypes; integer and bool parameters are gathered as they
     are (they have no gradient)."""
     param_dtype = (mp.param_dtype or dtype) if dtype.is_floating_point else dtype
@@ -259,4 +302,5 @@ def _unit_plan(layout: UnitLayout, dtype: torch.dtype, mp: MixedPrecision, resha
         reduce_dtype=reduce_dtype,
         grad_reduction="exchange" if exchange else "reduce_scatter",
         reshard_after_forward=reshard,
+        float8=float8,
     )

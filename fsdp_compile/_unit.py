@@ -22,6 +22,7 @@ from fsdp_compile._layout import ParamSlot, UnitLayout, unit_label
 from fsdp_compile._outside_forward import outside_forward, read_in_backward_message, read_outside_forward
 from fsdp_compile._weak import weak_method
 from fsdp_compile.runtime import host_copies
+from fsdp_compile.runtime.float8 import Float8Weight
 from fsdp_compile.runtime.ops import (
     GradReduction,
     all_gather_nograd,
@@ -104,8 +105,13 @@ class UnitState:
         watch: ModelWatch,
         offload_to: torch.device | None = None,
         pin_memory: bool = False,
+        float8: tuple[Float8Weight, ...] = (),
     ) -> None:
         self.layout = layout
+        self.float8 = float8
+        """torchao float8 weights (every slot), gathered as float8 under compile (``fsdp_compile.runtime.float8``);
+        empty: gathered in ``param_dtype``."""
+
         self.offload_to = offload_to
         """CPU offload: the device the unit computes on (its shard, gradient and optimizer state live in host
         memory; on the meta device until ``to_empty`` says where). None: not offloaded."""
@@ -148,6 +154,7 @@ class UnitState:
         the unit's parameters)."""
         """The model's :class:`~fsdp_compile._watch.ModelWatch` (whether its forward runs; its backward's progress)."""
         self._hook_gradients()
+        self._place_start()
 
     def __repr__(self) -> str:
         name = unit_label(self.layout.name)
@@ -170,8 +177,13 @@ class UnitState:
         offload = "" if self.offload_to is None else ", its shard in host memory"
         return (
             f"all-gather of unit {unit_label(self.layout.name)!r} ({self.layout.padded_numel} elements in "
-            f"{self.param_dtype}; {gradients}) over {self.world_size} ranks{replicas}{offload}"
+            f"{self.gather_dtype}; {gradients}) over {self.world_size} ranks{replicas}{offload}"
         )
+
+    @property
+    def gather_dtype(self) -> torch.dtype:
+        """The dtype the unit travels in under compile: float8 for torchao's float8 weights, else ``param_dtype``."""
+        return self.float8[0].float8_dtype if self.float8 else self.param_dtype
 
     @property
     def compute_device(self) -> torch.device:
@@ -200,6 +212,17 @@ class UnitState:
             self.offload_to,
         )
 
+    def start(self) -> torch.Tensor:
+        """Where this rank's shard begins in the unit, as a 0-d tensor on the device the unit computes on: the input
+        that lets a float8 gather's graph be the same on every rank (``fsdp_compile.runtime.float8``)."""
+        if self._start.device != self.compute_device:  # made where the unit's shard is given storage, not traced
+            raise AssertionError(f"{self!r}: its start is on {self._start.device}, not on {self.compute_device}")
+        return self._start
+
+    def _place_start(self) -> None:
+        if self.float8:
+            self._start = torch.tensor(self.rank * self.layout.shard_numel, device=self.compute_device)
+
     def unshard_param(self, slot: ParamSlot) -> torch.Tensor:
         """The full parameter ``slot``: a marker op under compile; in eager, a view of the gathered unit (inside the
         model's forward but outside the unit's, gathered for the read, one whose in-place writes raise); inside
@@ -215,7 +238,7 @@ class UnitState:
             if self.eager.gathered is not None:  # a piece of a forward compiled apart: gathered around it, in Python
                 return self.eager.param(slot.offset, slot.numel, slot.shape)
             return unshard(self.flat, self.accum, slot.offset, slot.numel, list(slot.shape), self.param_dtype,
-                           self.compute_device)
+                           self.compute_device, self.start() if self.float8 else None)
         if self.outside is not None:
             return self.outside(slot)
         if self.flat.is_meta:
@@ -263,6 +286,7 @@ class UnitState:
         _internals.mark_static(self.flat)
         self.pieces = cut_pieces(self.flat, self.layout, self.rank, [p.param.requires_grad for p in replaced])
         self._hook_gradients()
+        self._place_start()
         _units_by_shard.pop(id(old), None)
         _units_by_shard[id(self.flat)] = self
         return replaced

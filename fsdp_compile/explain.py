@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_compile import _pictures, debug
+from fsdp_compile._describe import gathered
 from fsdp_compile._layout import unit_label
 from fsdp_compile._pictures import Measured, prefetch_of
 
@@ -117,12 +118,12 @@ def _mib(nbytes: float) -> str:
 
 
 def _units_table(units: list[dict[str, Any]]) -> list[str]:
-    lines = ["| unit | parameters | elements | per rank | padding | param dtype | reduce dtype | gradient reduction "
-             "| reshard after forward |", "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| unit | parameters | elements | per rank | padding | param dtype | gathered as | reduce dtype "
+             "| gradient reduction | reshard after forward |", "|---|---|---|---|---|---|---|---|---|---|"]
     for u in units:
         lines.append(f"| {unit_label(u['name'])} | {len(u['parameters'])} | {u['num_parameters']:,} | {u['shard_numel']:,} | "
-                     f"{u['padded_numel'] - u['num_parameters']:,} | {u['param_dtype']} | {u['reduce_dtype']} | "
-                     f"{u['grad_reduction']} | {u['reshard_after_forward']} |")
+                     f"{u['padded_numel'] - u['num_parameters']:,} | {u['param_dtype']} | {gathered(u)} | "
+                     f"{u['reduce_dtype']} | {u['grad_reduction']} | {u['reshard_after_forward']} |")
     return lines
 
 

@@ -18,6 +18,7 @@ import torch.fx as fx
 
 from fsdp_compile import _internals, debug
 from fsdp_compile._internals import step_ops
+from fsdp_compile._layout import UNIT
 
 __all__ = [
     "ALL_GATHER",
@@ -72,6 +73,20 @@ def producers(node: fx.Node, follow: Callable[[fx.Node], bool]) -> tuple[list[fx
         chain.insert(0, source)
         source = source.args[0]
     return chain, source
+
+
+def unit_inputs(all_gather: fx.Node) -> list[fx.Node]:
+    """What the all-gather's own op computed before it, in graph order: the nodes above it that carry its unit's tag
+    (``UNIT``): a cast, or a float8 gather's amax, its all-reduce, the scales and the cast."""
+    unit = all_gather.meta.get("custom", {}).get(UNIT)
+    found: set[fx.Node] = set()
+    frontier = list(all_gather.all_input_nodes) if unit is not None else []
+    while frontier:
+        node = frontier.pop()
+        if node not in found and node.op == "call_function" and node.meta.get("custom", {}).get(UNIT) == unit:
+            found.add(node)
+            frontier.extend(node.all_input_nodes)
+    return [n for n in all_gather.graph.nodes if n in found]
 
 
 def wait_of(node: fx.Node) -> fx.Node | None:

@@ -32,6 +32,7 @@ Example (a unit with two parameters)::
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -43,6 +44,7 @@ from fsdp_compile._layout import UNIT, ParamSlot
 from fsdp_compile._unit import UnitState
 from fsdp_compile.passes._graph import lint_and_recompile, plan_json, region_calls
 from fsdp_compile.passes.map_unit_inputs import UnitInputsPlan, iter_graphs
+from fsdp_compile.runtime.float8 import Float8Weight, cast_all_gather_float8
 from fsdp_compile.runtime.ops import (
     KEEP_GATHERED,
     GradReduction,
@@ -89,6 +91,10 @@ class UnitGather:
     views: tuple[ParamView, ...]
     call: str | None = None
     """A shared body's call that reads the unit (then ``views`` is empty: the body's ``BodyInput`` has them)."""
+    float8: tuple[Float8Weight, ...] = ()
+    """torchao float8 weights gathered as float8 (``fsdp_compile.runtime.float8``): every parameter of the unit."""
+    start: str | None = None
+    """For a float8 gather: the placeholder of where this rank's shard begins in the unit."""
 
 
 @dataclass(frozen=True)
@@ -126,7 +132,7 @@ def is_marker(node: fx.Node) -> bool:
 
 
 def _gather(state: UnitState, graph: str, shard: str, accum: str | None, views: tuple[ParamView, ...],
-            call: str | None = None) -> UnitGather:
+            call: str | None = None, start: str | None = None) -> UnitGather:
     return UnitGather(
         unit=state.layout.name,
         graph=graph,
@@ -143,6 +149,8 @@ def _gather(state: UnitState, graph: str, shard: str, accum: str | None, views: 
         offload_to=None if state.offload_to is None else str(state.offload_to),
         views=views,
         call=call,
+        float8=state.float8,
+        start=start,
     )
 
 
@@ -175,6 +183,7 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputsPlan) -> Collect
     """One gather per unit and (sub)graph that reads it, in graph order; for a shared body, one per call."""
     views: dict[tuple[str, str], list[ParamView]] = {}
     accums: dict[tuple[str, str], str | None] = {}
+    starts: dict[tuple[str, str], str] = {}
     for path, graph_module in iter_graphs(gm):
         for node in graph_module.graph.nodes:
             if not is_marker(node):
@@ -196,19 +205,24 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputsPlan) -> Collect
             accum = kwargs["accum"].name if isinstance(kwargs["accum"], fx.Node) else None
             if accums.setdefault(key, accum) != accum:
                 raise AssertionError(f"{node.name}: unit {state.layout.name!r} read with two gradient accumulators")
+            if state.float8:
+                starts[key] = kwargs["start"].name
             view = ParamView(node.name, _slot(state, kwargs["offset"], kwargs["numel"], tuple(kwargs["shape"])))
             views.setdefault(key, []).append(view)
     shared = {call.args[0].target for call in region_calls(gm)}
     gathers, bodies = [], []
-    for (path, shard_name), unit_views in views.items():
-        state = unit_inputs.units[(path, shard_name)]
-        accum = accums[(path, shard_name)]
+    for key, unit_views in views.items():
+        path, shard_name = key
+        state = unit_inputs.units[key]
+        accum = accums[key]
         if path in shared:
+            if state.float8:
+                raise AssertionError(f"shared body {path} reads unit {state.layout.name!r}, gathered as float8")
             bodies.append(BodyInput(path, shard_name, state.layout.padded_numel, state.param_dtype,
                                     str(state.compute_device), tuple(unit_views)))
             gathers.extend(_body_calls(gm, path, state, shard_name, accum, unit_inputs))
         else:
-            gathers.append(_gather(state, path, shard_name, accum, tuple(unit_views)))
+            gathers.append(_gather(state, path, shard_name, accum, tuple(unit_views), start=starts.get(key)))
     return CollectivesPlan(gathers=tuple(gathers), bodies=tuple(bodies))
 
 
@@ -236,6 +250,20 @@ def _replace_markers(graph: fx.Graph, full: fx.Node, views: tuple[ParamView, ...
         graph.erase_node(marker)
 
 
+def _replace_float8_markers(graph: fx.Graph, full: fx.Node, gather: UnitGather) -> None:
+    """Each marker of a float8 gather becomes its weight's ``Float8TrainingTensor``, an item of the gather's output."""
+    nodes = {n.name: n for n in graph.nodes}
+    index = {weight.offset: j for j, weight in enumerate(gather.float8)}
+    for view in gather.views:
+        marker = nodes[view.marker]
+        with graph.inserting_before(marker):
+            weight = graph.call_function(operator.getitem, (full, index[view.slot.offset]))
+        weight.meta["example_value"] = weight.meta["val"] = full.meta["example_value"][index[view.slot.offset]]
+        weight.meta["custom"] = {**weight.meta.get("custom", {}), UNIT: gather.unit}
+        marker.replace_all_uses_with(weight)
+        graph.erase_node(marker)
+
+
 def _gathered_input(gm: fx.GraphModule, body: BodyInput) -> None:
     """The shared body's placeholder for a flat shard becomes the gathered unit, which its markers read."""
     body_gm = gm.get_submodule(body.body)
@@ -258,29 +286,32 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
         graph = graph_module.graph
         nodes = {n.name: n for n in graph.nodes}
         first = nodes[gather.call] if gather.call else nodes[gather.views[0].marker]
+        how = (
+            gather.param_dtype,
+            gather.reduce_dtype,
+            gather.grad_reduction,
+            gather.world_size,
+            gather.group_name,
+            gather.replicas,
+            gather.replicate_group_name,
+            None if gather.offload_to is None else torch.device(gather.offload_to),
+        )
+        shard, accum = nodes[gather.shard], nodes[gather.accum] if gather.accum else None
         with graph.inserting_before(first):
-            full = _add(
-                graph,
-                "call_function",
-                cast_all_gather_differentiable,
-                (
-                    nodes[gather.shard],
-                    nodes[gather.accum] if gather.accum else None,
-                    gather.param_dtype,
-                    gather.reduce_dtype,
-                    gather.grad_reduction,
-                    gather.world_size,
-                    gather.group_name,
-                    gather.replicas,
-                    gather.replicate_group_name,
-                    None if gather.offload_to is None else torch.device(gather.offload_to),
-                ),
-            )
+            if gather.float8:
+                weights = tuple(tuple(weight) for weight in gather.float8)
+                full = _add(graph, "call_function", cast_all_gather_float8,
+                            (shard, accum, nodes[gather.start], *how, weights))  # type: ignore[index]
+            else:
+                full = _add(graph, "call_function", cast_all_gather_differentiable, (shard, accum, *how))
             keep = {KEEP_GATHERED: True} if not gather.reshard_after_forward else {}
             full.meta["custom"] = {**full.meta.get("custom", {}), UNIT: gather.unit, **keep}
         if gather.call:
             first.args = tuple(full if a is nodes[gather.shard] else a for a in first.args)
-        _replace_markers(graph, full, gather.views, gather.unit)
+        if gather.float8:
+            _replace_float8_markers(graph, full, gather)
+        else:
+            _replace_markers(graph, full, gather.views, gather.unit)
     leftover = [n.format_node() for _, g in iter_graphs(gm) for n in g.graph.nodes if is_marker(n)]
     if leftover:
         raise AssertionError(f"insert_collectives left markers behind: {leftover}")

@@ -2,7 +2,8 @@
 
 Precondition: an AOTAutograd joint graph (before partitioning) whose forward holds the units'
 ``_c10d_functional.all_gather_into_tensor`` -> ``wait_tensor`` chains inserted by ``insert_collectives``.
-Postcondition: every node of such a chain, the cast that feeds it and every view of its result carry
+Postcondition: every node of such a chain, the cast that feeds it (for a float8 gather, everything its op computed
+before it: amax, all-reduce, scales, cast) and every view of its result carry
 ``meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE``; the partitioner then keeps only the flat shard
 for backward and places a fresh all-gather in the backward graph. (Without the tag the partitioner
 force-saves collectives: all gathered parameters would live from forward to backward.) Except the units
@@ -44,6 +45,7 @@ from fsdp_compile.passes._graph import (
     named,
     plan_json,
     producers,
+    unit_inputs,
 )
 from fsdp_compile.runtime.ops import KEEP_GATHERED
 
@@ -103,6 +105,7 @@ def plan_reshard(graph: fx.Graph) -> ReshardPlan:
                 chains.append(tuple(n.name for n in _with_views([node], node)))
             continue
         chain, _ = producers(node, lambda n: n.target in TO_GATHER or is_view_op(n.target))
+        chain.extend(n for n in unit_inputs(node) if n not in chain)
         chain.append(node)
         chains.append(tuple(n.name for n in _with_views(chain, node)))
     chains.extend(tuple(n.name for n in _with_views([], p)) for p in _gathered_placeholders(graph))

@@ -53,6 +53,7 @@ from fsdp_compile.passes._graph import (
     nbytes,
     plan_json,
     producers,
+    unit_inputs,
     wait_of,
 )
 
@@ -92,10 +93,16 @@ class OverlapPlan:
 
 
 def _input_chain(ag: fx.Node) -> list[fx.Node] | None:
-    """The casts (and offload's copy) between a placeholder and the all-gather, if that is all it reads (else: not
-    movable)."""
+    """The casts (and offload's copy) between a placeholder and the all-gather, if that is all it reads; or, for a
+    float8 gather, what its op computed from placeholders alone (amax, all-reduce, scales, cast). Else: not movable."""
     chain, source = producers(ag, lambda n: n.target in TO_GATHER and len(n.users) == 1)
-    return chain if isinstance(source, fx.Node) and source.op == "placeholder" else None
+    if isinstance(source, fx.Node) and source.op == "placeholder":
+        return chain
+    ours = unit_inputs(ag)  # what reads nothing (an arange another unit's gather shares) stays where it is
+    if ours and all(i.op == "placeholder" or i in ours or not i.all_input_nodes
+                    for n in [*ours, ag] for i in n.all_input_nodes):
+        return ours
+    return None
 
 
 def _tail(wait: fx.Node, output: fx.Node, position: dict[fx.Node, int]) -> list[fx.Node]:
@@ -143,6 +150,10 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
         else:
             gathers.append((min(wait.users, key=position.__getitem__), node, wait, chain))
     gathers.sort(key=lambda g: position[g[0]])
+    # What a moved chain reads that reads nothing itself (an arange or a fill that several gathers share): first.
+    free = list(dict.fromkeys(i for *_, chain in gathers for n in chain for i in n.all_input_nodes
+                              if i.op == "call_function" and not i.all_input_nodes))
+    gathers = [(anchor, ag, wait, [n for n in chain if n not in free]) for anchor, ag, wait, chain in gathers]
 
     scatters = []  # (rs, tail, tails of its second stages)
     for node in nodes:
@@ -159,7 +170,7 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
                 stages.append(_tail(stage_wait, output, position))
         scatters.append((node, tail, stages))
 
-    moved = {n for _, ag, wait, chain in gathers for n in (*chain, ag, wait)}
+    moved = {n for _, ag, wait, chain in gathers for n in (*chain, ag, wait)} | set(free)
     moved |= {n for _, tail, stages in scatters for n in (*tail, *(m for s in stages for m in s))}
     before: dict[fx.Node, list[fx.Node]] = {}  # node -> what to place right before it
     for i, (anchor, ag, wait, chain) in enumerate(gathers):
@@ -176,7 +187,7 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
         for stage_tail in stages:
             before.setdefault(later(j + 1 + max_inflight_grad_reductions), []).extend(stage_tail)
 
-    order: list[fx.Node] = []
+    order: list[fx.Node] = [n for n in nodes if n.op == "placeholder"] + free
 
     def place(node: fx.Node) -> None:
         for first in before.get(node, []):
@@ -184,7 +195,7 @@ def plan_overlap(graph: fx.Graph, *, prefetch: int, max_inflight_grad_reductions
         order.append(node)
 
     for node in nodes:
-        if node not in moved:
+        if node not in moved and node.op != "placeholder":
             place(node)
     placed = {n: i for i, n in enumerate(order)}
     valid = len(order) == len(nodes) and all(

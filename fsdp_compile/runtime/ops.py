@@ -1,8 +1,9 @@
 """The two ops the passes work with.
 
 * ``fsdp_compile::unshard`` — a marker, never executed: under ``torch.compile`` every read of a sharded
-  parameter becomes one call ``unshard(flat_shard, accum, offset, numel, shape, dtype, device)`` (``device``:
-  where the parameter is computed on, the shard's own or, with CPU offload, the one it is copied to). The backend's
+  parameter becomes one call ``unshard(flat_shard, accum, offset, numel, shape, dtype, device, start)`` (``device``:
+  where the parameter is computed on, the shard's own or, with CPU offload, the one it is copied to; ``start``: for a
+  unit gathered as float8, where this rank's shard begins in it, ``fsdp_compile.runtime.float8``). The backend's
   ``insert_collectives`` pass replaces all markers of one unit by ONE all-gather
   (``cast_all_gather_differentiable``) and a view per parameter. A marker that survives means the graph was
   compiled by another backend.
@@ -103,7 +104,7 @@ _NOT_OUR_GRAPH = (
 @torch.library.custom_op("fsdp_compile::unshard", mutates_args=())
 def unshard(
     flat: torch.Tensor, accum: torch.Tensor | None, offset: int, numel: int, shape: list[int], dtype: torch.dtype,
-    device: torch.device,
+    device: torch.device, start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     raise RuntimeError(_NOT_OUR_GRAPH)
 
@@ -111,7 +112,7 @@ def unshard(
 @unshard.register_fake
 def _(
     flat: torch.Tensor, accum: torch.Tensor | None, offset: int, numel: int, shape: list[int], dtype: torch.dtype,
-    device: torch.device,
+    device: torch.device, start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     return flat.new_empty(shape, dtype=dtype, device=device)
 
@@ -181,19 +182,24 @@ class _GatherUnit(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        how: _Collectives = ctx.how
-        if ctx.accumulate_unsharded:
-            return None, grad.to(how.reduce_dtype), None
-        if how.world_size == 1:
-            reduced = grad.to(how.reduce_dtype)
-        elif how.grad_reduction == "exchange":
-            reduced = all_to_all_avg(grad, how.reduce_dtype, how.world_size, how.group_name)
-        else:
-            reduced = reduce_scatter_avg(grad.to(how.reduce_dtype), how.world_size, how.group_name)
-        if how.replicate_group_name is not None:
-            reduced = all_reduce_avg(reduced, how.replicate_group_name)
-        reduced = reduced.to(ctx.shard_dtype)
-        return reduced if how.device is None else copy_to_host(reduced), None, None
+        return (*_reduce(ctx, grad), None)
+
+
+def _reduce(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """A gathered unit's gradient (full, flat) averaged as ``ctx.how`` says: (the shard's gradient, the accumulator's)."""
+    how: _Collectives = ctx.how
+    if ctx.accumulate_unsharded:
+        return None, grad.to(how.reduce_dtype)
+    if how.world_size == 1:
+        reduced = grad.to(how.reduce_dtype)
+    elif how.grad_reduction == "exchange":
+        reduced = all_to_all_avg(grad, how.reduce_dtype, how.world_size, how.group_name)
+    else:
+        reduced = reduce_scatter_avg(grad.to(how.reduce_dtype), how.world_size, how.group_name)
+    if how.replicate_group_name is not None:
+        reduced = all_reduce_avg(reduced, how.replicate_group_name)
+    reduced = reduced.to(ctx.shard_dtype)
+    return (reduced if how.device is None else copy_to_host(reduced)), None
 
 
 def cast_all_gather_differentiable(
