@@ -66,6 +66,9 @@ class Settings:
     trace_kernels_only: bool
     micro_batches: int = 1
     """Forward+backward passes per optimizer step, each of ``batch`` sequences (gradient accumulation)."""
+    float8: str = "none"
+    """``"tensorwise"``: torchao's float8 training in every block's linear layers, for every system (emulated off the
+    GPU); whether its weights are gathered as float8 is each system's ``float8_gather``."""
 
 
 class _Collections:
@@ -224,6 +227,11 @@ def run(spec: Spec, cfg: LlamaConfig, batch: int, seq: int, repeat: int, setting
     host_memory = _HostPeak()
     with device:
         model = Llama(cfg)
+    if settings.float8 != "none":
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        config = Float8LinearConfig(emulate=device.type != "cuda", enable_fsdp_float8_all_gather=spec.float8_gather)
+        convert_to_float8_training(model.layers, config=config)
     model_ref = weakref.ref(model)
     steps = _Steps(build(spec, model, device, settings.compiler), model, batch, seq, settings.micro_batches, device)
     del model
@@ -358,7 +366,7 @@ def meta(settings: Settings, specs: list[Spec], device: torch.device) -> dict[st
         "card": torch.cuda.get_device_name(device) if use_cuda else "cpu", "torch": torch.__version__,
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
         "steps": settings.steps, "warmup": settings.warmup, "split_steps": settings.split_steps,
-        "repeats": settings.repeats, "compiler": settings.compiler, "gc": settings.gc,
+        "repeats": settings.repeats, "compiler": settings.compiler, "gc": settings.gc, "float8": settings.float8,
         "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "systems": {spec.name: spec.text for spec in specs},
     }
 

@@ -47,14 +47,16 @@ KEYS: dict[str, tuple[tuple[str, ...], str]] = {
                       "(fused) on the host"),
     "sync_off": (BOOL, "with --micro-batches: gradient sync off for every micro-batch but the last "
                        "(set_requires_gradient_sync; 0: reduced every micro-batch, torchtitan's way)"),
+    "float8_gather": (BOOL, "with --float8 tensorwise: torchao's enable_fsdp_float8_all_gather (the blocks' linear "
+                            "weights gathered as float8)"),
     "step_in_backward": (BOOL, "the step's last backward inside fsdp_compile.step_in_backward (each unit stepped as "
                                "its gradient lands)"),
 }
 """Spec keys: their values (``0``/``1`` for a switch) and what they set."""
 FAMILY_KEYS: dict[str, tuple[str, ...]] = {
     "no_comm_bound": ("cudagraphs", "regions"),
-    "fsdp2_eager": ("hsdp", "offload", "sync_off"),
-    "fsdp2_compile": ("hsdp", "offload", "sync_off"),
+    "fsdp2_eager": ("hsdp", "offload", "sync_off", "float8_gather"),
+    "fsdp2_compile": ("hsdp", "offload", "sync_off", "float8_gather"),
     "simplefsdp": (),
     "fsdp_compile": tuple(KEYS),
 }
@@ -87,6 +89,7 @@ class Spec:
     hsdp: bool = False
     offload: bool = False
     sync_off: bool = False
+    float8_gather: bool = False
     step_in_backward: bool = False
 
     def options(self) -> dict[str, Any]:
@@ -118,7 +121,8 @@ class Spec:
                  (not self.regions, "whole_graph"),
                  (self.keep_gathered, "keep_gathered"), (not self.memory_plan, "unplanned"),
                  (self.barriers == "kernels", "barrier_kernels"), (self.hsdp, "hsdp"), (self.cudagraphs, "cudagraphs"),
-                 (self.offload, "offload"), (self.sync_off, "sync_off"), (self.step_in_backward, "step_in_backward"))
+                 (self.offload, "offload"), (self.sync_off, "sync_off"), (self.float8_gather, "float8_gather"),
+                 (self.step_in_backward, "step_in_backward"))
         return "_".join(word for wanted, word in words if wanted and word)
 
     @property

@@ -45,6 +45,7 @@ MODELS = {
     "5.9b": dataclasses.replace(LLAMA_8B, n_layers=20),  # 94 GB of fp32 weights, gradients and AdamW: offload's
     "tiny-untied": dataclasses.replace(LLAMA_TINY, tie_embeddings=False),
     "tests-untied": dataclasses.replace(LLAMA_TESTS, tie_embeddings=False),  # the test suite's runs of every system
+    "8.8b-slice": dataclasses.replace(LLAMA_8B, n_layers=4),  # the 8.8B's dims (4096, ffn 14336) in 4 blocks
     "80x1024": LlamaConfig(vocab_size=32000, dim=1024, n_layers=80, n_heads=8, ffn_dim=2816, max_seq_len=2048,
                            tie_embeddings=False),  # deep and narrow: 80 blocks of 12.6M parameters (1.08B in all)
 }
@@ -77,6 +78,9 @@ def _parser() -> argparse.ArgumentParser:
                                                                "(headlines: 3)")
     parser.add_argument("--gc", choices=("auto", "manual"), default="auto",
                         help="Python's garbage collection during the steps: automatic, or none (torchtitan's gc_freq)")
+    parser.add_argument("--float8", choices=("none", "tensorwise"), default="none",
+                        help="torchao float8 training (tensorwise) of every block's linear layers, in every system "
+                        "(emulated off the GPU; needs torchao); the systems' float8_gather=1 gathers them as float8")
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--micro-batches", type=int, default=1,
                         help="forward+backward passes per optimizer step (gradient accumulation); --tokens is each one's")

@@ -45,12 +45,15 @@ def read_outside_forward(piece: torch.Tensor, shape: tuple[int, ...], names: tup
     how to read it.
     Except where no value is needed: in ``metadata_reads``, a meta tensor; in ``torch.distributed.checkpoint``'s
     model state-dict helpers, which read every parameter only to map names (the values come from ``state_dict()``,
-    sharded), this rank's ``piece``."""
+    sharded), and in torchao's ``precompute_float8_dynamic_scale_for_fsdp`` (torchtitan calls it after each optimizer
+    step; it looks for FSDP2's float8 weights), this rank's ``piece``."""
     if getattr(_reads, "metadata", False):
         return torch.empty(shape, dtype=piece.dtype, device="meta")
     dcp = caller(("distributed", "checkpoint", "state_dict.py"), lambda name: name.startswith(("get_", "set_")))
     if dcp in ("get_model_state_dict", "set_model_state_dict"):
         return piece
+    if caller(("torchao", "float8", "fsdp_utils.py"), lambda name: name == "precompute_float8_dynamic_scale_for_fsdp"):
+        return piece  # a plain tensor, not FSDP2's DTensor: nothing to precompute (each float8 gather computes its own)
     if dcp is not None:
         raise RuntimeError(
             f"torch.distributed.checkpoint.state_dict.{dcp}() does not know fsdp_compile's sharding: it would give "

@@ -135,7 +135,8 @@ def test_explain_prints_the_units_the_collectives_the_memory_plan_and_draws_the_
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
     assert "ranks [0, 1]; rank 0 shown" in out
-    assert "| layers.0 | 9 | 8,768 | 4,384 | 0 | torch.bfloat16 | torch.float32 | exchange | True |" in out
+    assert ("| layers.0 | 9 | 8,768 | 4,384 | 0 | torch.bfloat16 | torch.bfloat16, 8,768 B a rank | torch.float32 | "
+            "exchange | True |") in out
     assert "all-gather route chosen by 'auto': nccl (all-gathers on cpu: copy engines need CUDA tensors)" in out
     assert ("gradient exchange route chosen by 'auto': nccl (gradient exchanges on cpu: copy engines need CUDA "
             "tensors)") in out

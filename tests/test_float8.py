@@ -26,8 +26,12 @@ pytest.importorskip("torchao.float8")
 _c10d = torch.ops._c10d_functional
 ALL_GATHERS = (_c10d.all_gather_into_tensor.default, torch.ops.fsdp_compile.all_gather_into_slot.default)
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
-FSDP2_RTOL = 1.0
-"""TBD"""
+FSDP2_RTOL = {2: 0.0, 3: 1e-6}
+"""Against torchao float8 with FSDP2, float32 model, three AdamW steps (rel. error of each step's loss and of the
+parameters after): the same amax, scales and casts of the same float32 values on the same ranks, so only the gradient
+average can round otherwise. Over 2 ranks both average exactly (bitwise equal, as measured); over 3, FSDP2 divides each
+rank's gradient before gloo sums them and our reduce-scatter averages after: an ulp of float32 here and there, which
+AdamW's normalised update carries into the parameters (measured 3.0e-07)."""
 
 
 def _convert(model: Llama, gather: bool = True) -> None:
@@ -81,6 +85,7 @@ def _train_against_fsdp2(rank: int, world_size: int) -> None:
     """Three AdamW steps of the float32 model (3 ranks: every block checkpointed, so backward gathers it again) with
     fsdp_compile (aot_eager) and with FSDP2, each rank on its own micro-batch."""
     from torch.distributed.fsdp import fully_shard
+    from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
     torch.manual_seed(0)
     base = Llama(dataclasses.replace(LLAMA_TESTS, checkpoint_blocks=world_size == 3))
@@ -102,6 +107,7 @@ def _train_against_fsdp2(rank: int, world_size: int) -> None:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            precompute_float8_dynamic_scale_for_fsdp(module)  # torchtitan's habit: nothing to do for either here
             worst[key] = loss.detach()  # type: ignore[assignment]
         worst["loss"] = max(worst["loss"], rel_error(worst.pop("got"), worst.pop("want")))  # type: ignore[arg-type]
     full, want = fsdp_compile.full_state_dict(model), {n: p.full_tensor() for n, p in ref.named_parameters()}
@@ -109,7 +115,9 @@ def _train_against_fsdp2(rank: int, world_size: int) -> None:
     said = f"float8 all-gather against FSDP2, {world_size} ranks: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
     if rank == 0:
         print(said)
-    assert worst["loss"] <= FSDP2_RTOL and worst["param"] <= FSDP2_RTOL, said
+    assert worst["loss"] <= FSDP2_RTOL[world_size] and worst["param"] <= FSDP2_RTOL[world_size], said
+    gathered = torch._dynamo.utils.counters["fsdp_compile"]["float8_all_gathers"]
+    assert gathered == LLAMA_TESTS.n_layers, gathered  # each block's weights as float8 (not its norms, not the root)
     dist.barrier()
 
 
