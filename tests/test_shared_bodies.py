@@ -5,7 +5,6 @@ whole-step graph's, bitwise, on 2 gloo ranks."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import operator
 from unittest import mock
@@ -223,54 +222,3 @@ def _compare(rank: int, world_size: int) -> None:
 def test_three_adamw_steps_equal_the_whole_step_graphs_bitwise() -> None:
     """aot_eager runs the same ops on the same values in both: the bodies' only difference is where the code is."""
     run_ranks(_compare, 2)
-
-
-FLOAT8_RTOL = 1e-5
-"""float32 model, torchao's float8 (tensorwise, emulated on CPU) in the blocks' linear layers, against the unsharded
-model under plain torch.compile (aot_eager both): the same casts of the same values, so only the order of the float32
-gradient sums over the ranks could differ (measured: bitwise equal after three AdamW steps, 2 ranks)."""
-
-
-def _float8(rank: int, world_size: int) -> None:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    from fsdp_compile.testing.reference import full_grads, micro_batch_step, rel_error
-
-    torch.manual_seed(0)
-    ref = Llama(LLAMA_TESTS)  # 2 blocks, dims multiples of 16 (float8's)
-    convert_to_float8_training(ref.layers, config=Float8LinearConfig(emulate=True))
-    model = fsdp_compile.shard(copy.deepcopy(ref), units=[Block])
-    run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))
-    # The reference on rank 0 alone (each rank would compute the same numbers): half the plain compiles.
-    run_ref = torch.compile(ref, backend="aot_eager") if rank == 0 else None
-    opt, ref_opt = torch.optim.AdamW(model.parameters(), lr=1e-2), torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    worst = 0.0
-    traced: list[list[str]] = []  # the bodies each Dynamo graph calls, as Dynamo made them
-    keep = _backend._keep_shared_bodies
-    with mock.patch.object(_backend, "_keep_shared_bodies",
-                           lambda gm, *args: traced.append(_bodies(gm)) or keep(gm, *args)):
-        for step in range(3):
-            tokens = torch.randint(0, 64, (2 * world_size, 9), generator=torch.Generator().manual_seed(step))
-            local = tokens[2 * rank : 2 * rank + 2]
-            run(local[:, :-1], local[:, 1:]).backward()
-            grads = full_grads(model)
-            if run_ref is not None:
-                micro_batch_step(run_ref, tokens, world_size)
-                worst = max(worst, *(rel_error(grads[n], p.grad) for n, p in ref.named_parameters()))
-                ref_opt.step(), ref_opt.zero_grad()
-            opt.step(), opt.zero_grad()
-    full = fsdp_compile.full_state_dict(model)
-    if run_ref is not None:
-        worst = max(worst, *(rel_error(full[n], v) for n, v in ref.state_dict().items()))
-    # One body for both blocks; or (torch 2.11, which traces torchao's autograd.Function anew at each call) a body
-    # for each, called once: written out where it is called.
-    shared = torch._dynamo.utils.counters["fsdp_compile"]["shared_bodies"]
-    assert (traced, shared) in (([["subgraph_0"] * 2], 1), ([["subgraph_0", "subgraph_1"]], 0)), (traced, shared)
-    if rank == 0:
-        print(f"float8 (tensorwise, emulated) with shared bodies: worst rel. error {worst:.1e}")
-    assert worst <= FLOAT8_RTOL, worst
-
-
-def test_a_float8_llama_trains_as_under_plain_torch_compile() -> None:
-    pytest.importorskip("torchao.float8")
-    run_ranks(_float8, 2)
