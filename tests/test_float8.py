@@ -91,8 +91,9 @@ def test_each_float8_unit_gathers_half_the_bytes_once_after_one_amax_all_reduce(
 def _train_against_fsdp2(rank: int, world_size: int) -> None:
     """Three AdamW steps of the float32 model with FSDP2 (torchao's float8, its weights gathered in float32: on gloo
     FSDP2's float8 all-gather raises "Invalid scalar type") and with fsdp_compile (aot_eager), each rank on its own
-    micro-batch: the weights gathered as float8; on 2 ranks also gathered in float32 (the switch off: the blocks share
-    one body, [Note: shared bodies]), on 3 with every block checkpointed (backward gathers float8 again)."""
+    micro-batch: the weights gathered as float8 (on 2 ranks the last block's kept from forward to backward); on 2 ranks
+    also gathered in float32 (the switch off: the blocks share one body, [Note: shared bodies]); on 3 with every block
+    checkpointed (backward gathers float8 again)."""
     from torch.distributed.fsdp import fully_shard
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -109,7 +110,8 @@ def _train_against_fsdp2(rank: int, world_size: int) -> None:
         torch._dynamo.utils.counters.clear()
         model = copy.deepcopy(base)
         _convert(model, gather=gather)
-        fsdp_compile.shard(model, units=[Block])
+        kept = world_size == 2 and gather  # the last block's float8 weights saved for backward, not gathered again
+        fsdp_compile.shard(model, units=[Block], reshard_after_forward=lambda fqn, _: not kept or fqn != "layers.1")
         run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))
         systems[gather] = [run, torch.optim.AdamW(model.parameters(), lr=1e-2), model]
     worst = {f"{'float8' if gather else 'float32'} {k}": 0.0 for gather in systems for k in ("loss", "param")}
@@ -155,3 +157,17 @@ def _train_against_fsdp2(rank: int, world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_three_adamw_steps_equal_torchao_float8_with_fsdp2(world_size: int) -> None:
     run_ranks(_train_against_fsdp2, world_size)
+
+
+def test_a_rowwise_recipe_keeps_param_dtype_gathers_and_says_so_once(fake_pg: None) -> None:
+    """torchao refuses its float8 all-gather for rowwise scaling (as for FSDP2): the weights stay in the unit's
+    buffer, gathered in ``param_dtype``."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    counters = torch._dynamo.utils.counters["fsdp_compile"]
+    said = counters["float8_rowwise_gathered_in_param_dtype"]
+    model = Llama(LLAMA_TESTS)
+    convert_to_float8_training(model.layers, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    units = fsdp_compile.describe(fsdp_compile.shard(model, units=[Block])).units
+    assert counters["float8_rowwise_gathered_in_param_dtype"] == said + 1
+    assert [u.gather_dtype for u in units] == ["torch.float32"] * len(units) == [u.param_dtype for u in units]
