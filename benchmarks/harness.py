@@ -42,7 +42,7 @@ import fsdp_compile
 from fsdp_compile.testing.llama import Llama, LlamaConfig
 from fsdp_compile.testing.profile import communication_overlap, trace_steps
 
-from report import GRAD_RTOL, LOSS_RTOL, Result  # benchmarks/
+from report import LOSS_RTOL, Result, grad_rtol  # benchmarks/
 from specs import Spec
 from systems import Prepared, build, grad_norms
 
@@ -367,7 +367,8 @@ def meta(settings: Settings, specs: list[Spec], device: torch.device) -> dict[st
         "nccl": ".".join(map(str, torch.cuda.nccl.version())) if use_cuda else None,
         "steps": settings.steps, "warmup": settings.warmup, "split_steps": settings.split_steps,
         "repeats": settings.repeats, "compiler": settings.compiler, "gc": settings.gc, "float8": settings.float8,
-        "loss_rtol": LOSS_RTOL, "grad_rtol": GRAD_RTOL, "systems": {spec.name: spec.text for spec in specs},
+        "loss_rtol": LOSS_RTOL, "grad_rtol": grad_rtol(settings.float8),
+        "systems": {spec.name: spec.text for spec in specs},
     }
 
 

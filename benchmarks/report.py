@@ -37,6 +37,16 @@ GRAD_RTOL = 2e-2
 bf16 compute): 4.3e-3 (fsdp_compile, SimpleFSDP-style) and 5.7e-3 (FSDP2 + compiled blocks): Inductor's
 fused kernels keep fp32 intermediates where eager rounds to bf16. The mistakes it must catch move a norm
 by tens of percent (one unit not averaged) to 100% (gradients summed over 2 ranks, not averaged)."""
+GRAD_RTOL_FLOAT8 = 5e-2
+"""The same with torchao's float8 training (``--float8``): float8's rounding of the activations and weights moves
+per-parameter gradient norms by a few percent between any two ways of computing the step; measured on the 0.95B on
+one H100: FSDP2 eager with and without torchao's float8 all-gather 2.3e-2 apart, fsdp_compile against FSDP2 eager
+2.8e-2. The mistakes above still move a norm by far more."""
+
+
+def grad_rtol(float8: str) -> float:
+    """The gradient guard's tolerance for a run with ``--float8 float8``."""
+    return GRAD_RTOL if float8 == "none" else GRAD_RTOL_FLOAT8
 
 
 @dataclass
@@ -123,9 +133,9 @@ def check_losses(results: list[Result]) -> list[str]:
     return problems
 
 
-def check_gradients(results: list[Result]) -> list[str]:
-    """Every system's per-parameter gradient norms after step 0 against the reference's (not the bounds:
-    they do not average over ranks)."""
+def check_gradients(results: list[Result], rtol: float = GRAD_RTOL) -> list[str]:
+    """Every system's per-parameter gradient norms after step 0 against the reference's, within ``rtol`` (not the
+    bounds: they do not average over ranks)."""
     problems = []
     for (tokens, repeat), systems in _runs(results).items():
         for name, r in systems.items():
@@ -141,7 +151,7 @@ def check_gradients(results: list[Result]) -> list[str]:
                 continue
             param, worst = _worst(r.grad_norms, ref)
             r.extra[f"grad_norm_max_rel_diff_vs_{ref_name}"] = worst
-            if worst > GRAD_RTOL:
+            if worst > rtol:
                 problems.append(f"{tokens} tokens/GPU, run {repeat}: {name} gradient of {param} differs from "
                                 f"{ref_name}'s by {worst:.2e} (norm after step 0)")
     return problems

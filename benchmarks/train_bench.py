@@ -37,7 +37,7 @@ from fsdp_compile.testing.dist import gloo_one_worker_thread
 from fsdp_compile.testing.llama import LLAMA_0_95B, LLAMA_8B, LLAMA_TESTS, LLAMA_TINY, LlamaConfig, save_matmuls
 
 from harness import Settings, meta, run, write  # benchmarks/
-from report import BOUNDS, GRAD_RTOL, LOSS_RTOL, REFERENCES, Result, check_gradients, check_losses, reference, table
+from report import BOUNDS, LOSS_RTOL, REFERENCES, Result, check_gradients, check_losses, grad_rtol, reference, table
 from specs import Spec, default_specs, help_text, parse_specs
 
 MODELS = {
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> None:
                     if dist.get_rank() == 0:
                         write(args.out, meta(settings, specs, device), results)  # kept if a later run dies
                         print(_brief(results[-1]), flush=True)
-    loss_problems, grad_problems = check_losses(results), check_gradients(results)
+    loss_problems, grad_problems = check_losses(results), check_gradients(results, grad_rtol(args.float8))
     if dist.get_rank() == 0:
         run_meta = meta(settings, specs, device)
         print(f"\n## {run_meta}")
@@ -175,7 +175,7 @@ def main(argv: list[str] | None = None) -> None:
         ref = reference(r.system for r in results)
         print(f"\nloss guard (all systems vs {ref}, rtol {LOSS_RTOL}; bounds at step 0 only): "
               + ("; ".join(loss_problems) or "OK"))
-        print(f"gradient guard (per-parameter gradient norms after step 0 vs {ref}, rtol {GRAD_RTOL}; "
+        print(f"gradient guard (per-parameter gradient norms after step 0 vs {ref}, rtol {grad_rtol(args.float8)}; "
               f"{', '.join(BOUNDS)} not compared: no averaging over ranks): " + ("; ".join(grad_problems) or "OK"))
         write(args.out, run_meta, results)
     if own_group:

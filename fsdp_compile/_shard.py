@@ -111,10 +111,9 @@ def _say_float8_gathered_in_param_dtype(module: nn.Module) -> None:
     """torchao float8 layers whose weights travel in ``param_dtype`` although they compute in float8 because their
     recipe is not tensorwise: said once (a tensorwise one whose switch is off is the user's choice)."""
     float8_linear = sys.modules.get("torchao.float8.float8_linear")
-    if float8_linear is not None and any(
-        isinstance(m, float8_linear.Float8Linear) and m.config.cast_config_weight.scaling_granularity.name != "TENSORWISE"
-        for m in module.modules()
-    ):
+    if float8_linear is not None and any(isinstance(m, float8_linear.Float8Linear) and
+                                         m.config.cast_config_weight.scaling_granularity.name != "TENSORWISE"
+                                         for m in module.modules()):
         debug.degraded("float8_rowwise_gathered_in_param_dtype", (
             "torchao float8 layers with rowwise scaling: their weights are gathered in param_dtype and cast to float8 "
             "by torchao after the gather (torchao gathers float8, enable_fsdp_float8_all_gather, for tensorwise "

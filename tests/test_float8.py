@@ -105,15 +105,16 @@ def _train_against_fsdp2(rank: int, world_size: int) -> None:
         fully_shard(layer)
     fully_shard(ref)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    systems = {}  # gathered as float8 or not -> (compiled model, optimizer, shared bodies, float8 all-gathers)
+    systems = {}  # gathered as float8 or not -> (compiled model, optimizer, model)
+    counted: dict[bool, dict[str, int]] = {}  # what each model's compile counted
+    counters = torch._dynamo.utils.counters["fsdp_compile"]
     for gather in (True, False) if world_size == 2 else (True,):
-        torch._dynamo.utils.counters.clear()
         model = copy.deepcopy(base)
         _convert(model, gather=gather)
         kept = world_size == 2 and gather  # the last block's float8 weights saved for backward, not gathered again
         fsdp_compile.shard(model, units=[Block], reshard_after_forward=lambda fqn, _: not kept or fqn != "layers.1")
         run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))
-        systems[gather] = [run, torch.optim.AdamW(model.parameters(), lr=1e-2), model]
+        systems[gather] = (run, torch.optim.AdamW(model.parameters(), lr=1e-2), model)
     worst = {f"{'float8' if gather else 'float32'} {k}": 0.0 for gather in systems for k in ("loss", "param")}
     traced: list[list[str]] = []  # the bodies each Dynamo graph calls, as Dynamo made them
     keep = _backend._keep_shared_bodies
@@ -122,7 +123,7 @@ def _train_against_fsdp2(rank: int, world_size: int) -> None:
                                generator=torch.Generator().manual_seed(step))[2 * rank : 2 * rank + 2]
         losses = {}
         for key, (module, optimizer) in [*((g, s[:2]) for g, s in systems.items()), ("ref", (ref, ref_opt))]:
-            counted = torch._dynamo.utils.counters["fsdp_compile"].copy()
+            before = dict(counters)
             with mock.patch.object(_backend, "_keep_shared_bodies",
                                    lambda gm, *args: traced.append(_bodies(gm)) or keep(gm, *args)):
                 loss = module(tokens[:, :-1], tokens[:, 1:])
@@ -131,20 +132,20 @@ def _train_against_fsdp2(rank: int, world_size: int) -> None:
             optimizer.zero_grad()
             precompute_float8_dynamic_scale_for_fsdp(module)  # torchtitan's habit: nothing to do for either here
             losses[key] = loss.detach()
-            if step == 0 and key != "ref":  # what this model's compile counted
-                systems[key].append({k: v - counted.get(k, 0) for k, v in torch._dynamo.utils.counters["fsdp_compile"].items()})
+            if step == 0 and key != "ref":
+                counted[key] = {k: v - before.get(k, 0) for k, v in counters.items()}
         for gather in systems:
             name = f"{'float8' if gather else 'float32'} loss"
             worst[name] = max(worst[name], rel_error(losses[gather], losses["ref"]))
     want = {n: p.full_tensor() for n, p in ref.named_parameters()}
-    for gather, (_, _, model, counted) in systems.items():
+    for gather, (_, _, model) in systems.items():
         full = fsdp_compile.full_state_dict(model)
         worst[f"{'float8' if gather else 'float32'} param"] = max(rel_error(full[n], v) for n, v in want.items())
         # Each block's weights as float8 (not its norms, not the root), each float8 block written out where it is
         # called; gathered in float32, both blocks run one body (torch 2.11, which traces torchao's autograd.Function
         # anew at every call, gives each a body of its own: called once, written out).
-        assert counted["float8_all_gathers"] == (LLAMA_TESTS.n_layers if gather else 0), counted
-        bodies = (traced.pop(0), counted["shared_bodies"])  # (3 ranks: the blocks' regions inside checkpoints)
+        assert counted[gather]["float8_all_gathers"] == (LLAMA_TESTS.n_layers if gather else 0), counted
+        bodies = (traced.pop(0), counted[gather]["shared_bodies"])  # (3 ranks: the blocks' regions inside checkpoints)
         assert world_size == 3 or bodies in ((["subgraph_0"] * 2, 0 if gather else 1),
                                              (["subgraph_0", "subgraph_1"], 0)), bodies
     said = f"against FSDP2, {world_size} ranks: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
