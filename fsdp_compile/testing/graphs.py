@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -49,22 +49,19 @@ def compile_and_capture(
     backend_options: dict[str, Any] | None = None,
     mesh: tuple[int, int] | None = None,
     world_size: int = 2,
-    prepare: Callable[[Llama], None] = lambda model: None,
     **shard_options: Any,
 ) -> dict[str, fx.GraphModule]:
-    """Shard a tiny Llama (every ``Block`` a unit; given to ``prepare`` first, e.g. to convert it to float8) as
-    ``rank`` of ``world_size`` (or, HSDP, on a (replicate, shard) mesh of shape ``mesh``), compile it with
-    ``fsdp_compile.backend(**backend_options)``, run one forward and backward, and return the graphs by stage:
-    ``"dynamo"`` (after the Dynamo-graph passes), ``"forward"``, ``"backward"``."""
+    """Shard a tiny Llama (every ``Block`` a unit) as ``rank`` of ``world_size`` (or, HSDP, on a (replicate, shard)
+    mesh of shape ``mesh``), compile it with ``fsdp_compile.backend(**backend_options)``, run one forward and
+    backward, and return the graphs by stage: ``"dynamo"`` (after the Dynamo-graph passes), ``"forward"``,
+    ``"backward"``."""
     torch._dynamo.reset()  # many compilations of Llama.forward in one process: stay under the recompile limit
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=mesh[0] * mesh[1] if mesh else world_size)
     try:
         if mesh:
             shard_options["mesh"] = hsdp_mesh(mesh)
         torch.manual_seed(0)
-        model = Llama(cfg)
-        prepare(model)
-        model = fsdp_compile.shard(model, units=[Block], mp=mp, **shard_options)
+        model = fsdp_compile.shard(Llama(cfg), units=[Block], mp=mp, **shard_options)
         fsdp_compile.set_requires_gradient_sync(model, gradient_sync)
         compiled = torch.compile(model, backend=fsdp_compile.backend(**(backend_options or {})), fullgraph=True)
         tokens = torch.randint(0, cfg.vocab_size, (2, 8))
