@@ -245,10 +245,10 @@ def _unit_of_parameter(owned: list[_Owner], unit_of: dict[str, str]) -> str:
 def _parameter_groups(
     params: list[nn.Parameter], float8: dict[nn.Parameter, tuple[object, ...] | None]
 ) -> dict[tuple[torch.dtype, bool, object], list[nn.Parameter]]:
-    """A unit's parameters by (dtype, requires_grad, float8 dtype if gathered as float8), in order of first appearance: one flat
-    buffer each, so that only trainable parameters take part in the gradient, every parameter is a contiguous view of
-    its buffer in its own dtype, and the float8 weights travel in a buffer of their own (see "Parameter groups" in
-    docs/architecture.md)."""
+    """A unit's parameters by (dtype, requires_grad, the float8 dtype they are gathered in or None), in order of first
+    appearance: one flat buffer each, so that only trainable parameters take part in the gradient, every parameter is
+    a contiguous view of its buffer in its own dtype, and the float8 weights travel in a buffer of their own (see
+    [Note: parameter groups] and [Note: float8 all-gather] in docs/architecture.md)."""
     groups: dict[tuple[torch.dtype, bool, object], list[nn.Parameter]] = {}
     for p in params:
         cast = float8[p]

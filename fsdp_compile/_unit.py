@@ -215,13 +215,14 @@ class UnitState:
     def start(self) -> torch.Tensor:
         """Where this rank's shard begins in the unit, as a 0-d tensor on the device the unit computes on: the input
         that lets a float8 gather's graph be the same on every rank (``fsdp_compile.runtime.float8``)."""
-        if self._start.device != self.compute_device:  # made where the unit's shard is given storage, not traced
-            raise AssertionError(f"{self!r}: its start is on {self._start.device}, not on {self.compute_device}")
-        return self._start
+        start = self._start  # made where the unit's shard is given storage (traced, it would be a constant)
+        if start is None or start.device != self.compute_device:
+            raise AssertionError(f"{self!r}: its start is {start}, not on {self.compute_device}")
+        return start
 
     def _place_start(self) -> None:
-        if self.float8:
-            self._start = torch.tensor(self.rank * self.layout.shard_numel, device=self.compute_device)
+        start = self.rank * self.layout.shard_numel
+        self._start = torch.tensor(start, device=self.compute_device) if self.float8 else None
 
     def unshard_param(self, slot: ParamSlot) -> torch.Tensor:
         """The full parameter ``slot``: a marker op under compile; in eager, a view of the gathered unit (inside the
