@@ -92,17 +92,16 @@ class _GatherFloat8Unit(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The weights' gradients (a weight nothing read gets zeros: autograd materializes them) laid out as the
+        unit's flat gradient, zeros in the padding, and averaged."""
         weights: tuple[Float8Weight, ...] = ctx.weights
-        how: _Collectives = ctx.how
-        like = next(g for g in grads if g is not None)
         parts, end = [], 0
         for w, grad in zip(weights, grads):
-            parts.append(like.new_zeros(w.offset - end))
-            parts.append(like.new_zeros(w.numel) if grad is None else grad.reshape(-1))
+            parts += [grad.new_zeros(w.offset - end), grad.reshape(-1)]
             end = w.offset + w.numel
-        parts.append(like.new_zeros(ctx.padded_numel - end))
-        return (*_reduce(ctx, torch.cat(parts).to(how.param_dtype)), None, None, None)
+        parts.append(grads[0].new_zeros(ctx.padded_numel - end))
+        return (*_reduce(ctx, torch.cat(parts).to(ctx.how.param_dtype)), None, None, None)
 
 
 def cast_all_gather_float8(
