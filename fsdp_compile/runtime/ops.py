@@ -1,4 +1,4 @@
-"""The two ops the passes work with.
+"""The two ops the passes work with (and a unit of torchao's float8 weights: ``fsdp_compile.runtime.float8``).
 
 * ``fsdp_compile::unshard`` — a marker, never executed: under ``torch.compile`` every read of a sharded
   parameter becomes one call ``unshard(flat_shard, accum, offset, numel, shape, dtype, device, start)`` (``device``:
