@@ -62,9 +62,13 @@ class ShardPlan:
     world_size: int
     offload_pin_memory: bool | None = None
     """CPU offload (FSDP2's ``CPUOffloadPolicy``): whether the host shards are pinned. None: not offloaded."""
+    float8_not_tensorwise: bool = False
+    """Whether torchao float8 layers that are not tensorwise (rowwise) compute in float8: their weights travel in
+    ``param_dtype`` (torchao gathers float8 for tensorwise scaling only, for FSDP2 too)."""
 
     def to_json(self) -> str:
         return json.dumps({"world_size": self.world_size, "offload_pin_memory": self.offload_pin_memory,
+                           "float8_not_tensorwise": self.float8_not_tensorwise,
                            "units": [_unit_json(u) for u in self.units]})
 
 
@@ -131,7 +135,12 @@ def plan_shard(
             weights = tuple(Float8Weight(slot.offset, slot.numel, slot.shape, *float8[p])  # type: ignore[misc]
                             for slot, p in zip(layout.slots, params)) if gathered_float8 else ()
             planned.append(_unit_plan(layout, dtype, mp, resharded, weights))
-    return ShardPlan(units=tuple(planned), world_size=world_size, offload_pin_memory=pin)
+    float8_linear = _float8_linear()
+    not_tensorwise = float8_linear is not None and any(
+        isinstance(m, float8_linear) and m.config.cast_config_weight.scaling_granularity.name != "TENSORWISE"
+        for m in module.modules())
+    return ShardPlan(units=tuple(planned), world_size=world_size, offload_pin_memory=pin,
+                     float8_not_tensorwise=not_tensorwise)
 
 
 def _check_mixed_precision(mp: MixedPrecision | None) -> MixedPrecision:
@@ -256,18 +265,24 @@ def _parameter_groups(
     return groups
 
 
+def _float8_linear() -> type[nn.Module] | None:
+    """torchao's ``Float8Linear`` if torchao's float8 training is loaded (a model converted to it has loaded it)."""
+    module = sys.modules.get("torchao.float8.float8_linear")
+    return None if module is None else module.Float8Linear
+
+
 def _float8_cast(owned: list[_Owner]) -> tuple[object, ...] | None:
     """How torchao casts a weight that it gathers as float8 for FSDP2 (``Float8LinearConfig(
     enable_fsdp_float8_all_gather=True)``, which torchao allows for tensorwise scaling only): the float8 dtype, the
     module's ``LinearMMConfig`` as nested tuples, the scales' rounding; None for any other parameter (a weight tied to
     a module that is not such a layer too)."""
-    float8_linear = sys.modules.get("torchao.float8.float8_linear")
+    float8_linear = _float8_linear()
     if float8_linear is None:
         return None
     casts = set()
     for owner in owned:
         module = owner.module
-        if owner.name != "weight" or not isinstance(module, float8_linear.Float8Linear):
+        if owner.name != "weight" or not isinstance(module, float8_linear):
             return None
         config = module.config
         if not config.enable_fsdp_float8_all_gather:

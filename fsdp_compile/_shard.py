@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 
 import torch.distributed as dist
 from torch import nn
@@ -103,21 +102,12 @@ def shard(
             if g is not None:
                 agree_on_values(g, fingerprints)
     apply_shard(module, plan, group, replicate_group, sync_module_states=sync_module_states)
-    _say_float8_gathered_in_param_dtype(module)
-    return module
-
-
-def _say_float8_gathered_in_param_dtype(module: nn.Module) -> None:
-    """torchao float8 layers whose weights travel in ``param_dtype`` although they compute in float8 because their
-    recipe is not tensorwise: said once (a tensorwise one whose switch is off is the user's choice)."""
-    float8_linear = sys.modules.get("torchao.float8.float8_linear")
-    if float8_linear is not None and any(isinstance(m, float8_linear.Float8Linear) and
-                                         m.config.cast_config_weight.scaling_granularity.name != "TENSORWISE"
-                                         for m in module.modules()):
+    if plan.float8_not_tensorwise:
         debug.degraded("float8_rowwise_gathered_in_param_dtype", (
             "torchao float8 layers with rowwise scaling: their weights are gathered in param_dtype and cast to float8 "
             "by torchao after the gather (torchao gathers float8, enable_fsdp_float8_all_gather, for tensorwise "
             "scaling only, as with FSDP2)"))
+    return module
 
 
 def _mesh_groups(

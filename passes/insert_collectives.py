@@ -237,30 +237,24 @@ def _add(graph: fx.Graph, op: str, target: object, args: tuple[object, ...]) -> 
     return node
 
 
-def _replace_markers(graph: fx.Graph, full: fx.Node, views: tuple[ParamView, ...], unit: str) -> None:
-    """Each marker of ``views`` becomes a narrow and view of the gathered unit ``full``."""
+def _replace_markers(graph: fx.Graph, full: fx.Node, views: tuple[ParamView, ...], unit: str,
+                     float8: tuple[Float8Weight, ...] = ()) -> None:
+    """Each marker of ``views`` becomes a narrow and view of the gathered unit ``full``; of a float8 gather (``float8``:
+    its weights), its weight's ``Float8TrainingTensor``, an item of the gather's output."""
     nodes = {n.name: n for n in graph.nodes}
+    item = {weight.offset: j for j, weight in enumerate(float8)}
     for view, marker in ((v, nodes[v.marker]) for v in views):
         with graph.inserting_before(marker):
-            narrowed = _add(graph, "call_function", torch.narrow, (full, 0, view.slot.offset, view.slot.numel))
-            param = _add(graph, "call_method", "view", (narrowed, list(view.slot.shape)))
-        for node in (narrowed, param):
+            if float8:
+                j = item[view.slot.offset]
+                added = [graph.call_function(operator.getitem, (full, j))]
+                added[0].meta["example_value"] = added[0].meta["val"] = full.meta["example_value"][j]
+            else:
+                narrowed = _add(graph, "call_function", torch.narrow, (full, 0, view.slot.offset, view.slot.numel))
+                added = [narrowed, _add(graph, "call_method", "view", (narrowed, list(view.slot.shape)))]
+        for node in added:
             node.meta["custom"] = {**node.meta.get("custom", {}), UNIT: unit}
-        marker.replace_all_uses_with(param)
-        graph.erase_node(marker)
-
-
-def _replace_float8_markers(graph: fx.Graph, full: fx.Node, gather: UnitGather) -> None:
-    """Each marker of a float8 gather becomes its weight's ``Float8TrainingTensor``, an item of the gather's output."""
-    nodes = {n.name: n for n in graph.nodes}
-    index = {weight.offset: j for j, weight in enumerate(gather.float8)}
-    for view in gather.views:
-        marker = nodes[view.marker]
-        with graph.inserting_before(marker):
-            weight = graph.call_function(operator.getitem, (full, index[view.slot.offset]))
-        weight.meta["example_value"] = weight.meta["val"] = full.meta["example_value"][index[view.slot.offset]]
-        weight.meta["custom"] = {**weight.meta.get("custom", {}), UNIT: gather.unit}
-        marker.replace_all_uses_with(weight)
+        marker.replace_all_uses_with(added[-1])
         graph.erase_node(marker)
 
 
@@ -308,10 +302,7 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
             full.meta["custom"] = {**full.meta.get("custom", {}), UNIT: gather.unit, **keep}
         if gather.call:
             first.args = tuple(full if a is nodes[gather.shard] else a for a in first.args)
-        if gather.float8:
-            _replace_float8_markers(graph, full, gather)
-        else:
-            _replace_markers(graph, full, gather.views, gather.unit)
+        _replace_markers(graph, full, gather.views, gather.unit, gather.float8)
     leftover = [n.format_node() for _, g in iter_graphs(gm) for n in g.graph.nodes if is_marker(n)]
     if leftover:
         raise AssertionError(f"insert_collectives left markers behind: {leftover}")

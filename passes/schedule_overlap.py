@@ -98,7 +98,7 @@ def _input_chain(ag: fx.Node) -> list[fx.Node] | None:
     chain, source = producers(ag, lambda n: n.target in TO_GATHER and len(n.users) == 1)
     if isinstance(source, fx.Node) and source.op == "placeholder":
         return chain
-    ours = unit_inputs(ag)  # what reads nothing (an arange another unit's gather shares) stays where it is
+    ours = unit_inputs(ag)  # what reads nothing (an arange another unit's gather shares): placed first by the plan
     if ours and all(i.op == "placeholder" or i in ours or not i.all_input_nodes
                     for n in [*ours, ag] for i in n.all_input_nodes):
         return ours

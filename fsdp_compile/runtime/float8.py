@@ -34,12 +34,12 @@ class Float8Weight(NamedTuple):
     round_scales_to_power_of_2: bool
 
 
-def _scales(shard: torch.Tensor, start: torch.Tensor, weights: tuple[Float8Weight, ...], how: _Collectives
+def _scales(shard: torch.Tensor, index: torch.Tensor, weights: tuple[Float8Weight, ...], how: _Collectives
             ) -> torch.Tensor:
-    """Each weight's scale (float32, one per weight) from its amax over the whole group (torchao's arithmetic)."""
+    """Each weight's scale (float32, one per weight) from its amax over the whole group (torchao's arithmetic);
+    ``index``: each shard element's place in the unit."""
     from torchao.float8.float8_utils import amax_to_scale
 
-    index = torch.arange(shard.numel(), device=shard.device) + start
     magnitude = shard.abs()
     amax = torch.stack([
         torch.where((index >= w.offset) & (index < w.offset + w.numel), magnitude, 0).amax() for w in weights])
@@ -49,12 +49,11 @@ def _scales(shard: torch.Tensor, start: torch.Tensor, weights: tuple[Float8Weigh
                         for j, w in enumerate(weights)])
 
 
-def _cast(shard: torch.Tensor, start: torch.Tensor, scales: torch.Tensor, weights: tuple[Float8Weight, ...]
+def _cast(shard: torch.Tensor, index: torch.Tensor, scales: torch.Tensor, weights: tuple[Float8Weight, ...]
           ) -> torch.Tensor:
     """The shard in float8, each element scaled by its weight's scale (padding: by the weight before it; zeros)."""
     from torchao.float8.float8_utils import to_fp8_saturated
 
-    index = torch.arange(shard.numel(), device=shard.device) + start
     scale = scales[0]
     for j, w in enumerate(weights[1:], 1):
         scale = torch.where(index >= w.offset, scales[j], scale)
@@ -79,8 +78,9 @@ class _GatherFloat8Unit(torch.autograd.Function):
         ctx.padded_numel = shard.numel() * how.world_size
         if how.device is not None:  # CPU offload: cast on the device the unit computes on, from the shard's dtype
             shard = copy_to_device(shard, how.device, shard.dtype)
-        scales = _scales(shard, start, weights, how)
-        bits = _cast(shard, start, scales, weights)
+        index = torch.arange(shard.numel(), device=shard.device) + start  # each element's place in the unit
+        scales = _scales(shard, index, weights, how)
+        bits = _cast(shard, index, scales, weights)
         if how.world_size > 1:  # gloo has no float8 dtype: the bytes travel
             bits = all_gather_nograd(bits.view(torch.uint8), how.world_size, how.group_name).view(bits.dtype)
         return tuple(
