@@ -255,15 +255,13 @@ def _keep_shared_bodies(
     """The region calls the units' bodies are shared through, top-level calls only: a region inside another or inside
     a checkpointed region is written out where it is called, and with ``regions=False`` every one is (the whole step as
     one graph, as Dynamo traces it without regions); so is a unit whose flat shard has a symbolic size (another
-    unit's could not be passed to its body) or whose torchao float8 weights are gathered as float8 (they would enter
-    the body as float8 tensors: not done yet), and a body called once: sharing it saves nothing and its own compile
+    unit's could not be passed to its body), and a body called once: sharing it saves nothing and its own compile
     costs (torch 2.11 gives every block that holds a custom ``autograd.Function``, torchao's float8 matmul, a body of
     its own). Under Inductor's CUDA graphs too: its code for a body call computed wrong gradients there (torch 2.13,
     on CPU, where the graphs are skipped). [Note: shared bodies]"""
     placeholders = list(zip(gm.graph.find_nodes(op="placeholder"), example_inputs))
     symbolic = {node for node, value in placeholders
                 if unit_of_shard(value) is not None and not isinstance(node.meta["example_value"].numel(), int)}
-    float8 = {node for node, value in placeholders if getattr(unit_of_shard(value), "float8", ())}
     regions = config.regions and not cudagraphs
     if config.regions and cudagraphs and region_calls(gm):
         debug.degraded("shared_bodies_cuda_graphs", "with CUDA graphs (cudagraphs=True, or a mode that turns them on) "
@@ -272,11 +270,7 @@ def _keep_shared_bodies(
         calls = region_calls(graph_module)
         if graph_module is gm and regions:
             uses = collections.Counter(call.args[0].target for call in calls)
-            calls = [call for call in calls
-                     if (symbolic | float8).intersection(call.args[2:]) or uses[call.args[0].target] == 1]
-            if any(float8.intersection(call.args[2:]) for call in calls):
-                debug.degraded("float8_units_written_out", "units whose torchao float8 weights are gathered as float8 "
-                               "are compiled where they are called, not through a shared body")
+            calls = [call for call in calls if symbolic.intersection(call.args[2:]) or uses[call.args[0].target] == 1]
         if calls:
             inline_region_calls(graph_module, calls)
     counters["fsdp_compile"]["shared_bodies"] += len({call.args[0].target for call in region_calls(gm)})

@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -44,7 +45,7 @@ from fsdp_compile._layout import UNIT, ParamSlot
 from fsdp_compile._unit import UnitState
 from fsdp_compile.passes._graph import lint_and_recompile, plan_json, region_calls
 from fsdp_compile.passes.map_unit_inputs import UnitInputsPlan, iter_graphs
-from fsdp_compile.runtime.float8 import Float8Weight, cast_all_gather_float8
+from fsdp_compile.runtime.float8 import Float8Weight, cast_all_gather_float8, float8_weight
 from fsdp_compile.runtime.ops import (
     KEEP_GATHERED,
     GradReduction,
@@ -109,6 +110,9 @@ class BodyInput:
     device: str
     """Where the gathered unit is (CPU offload: not where its shard is)."""
     views: tuple[ParamView, ...]
+    float8: tuple[Float8Weight, ...] = ()
+    """A unit gathered as float8: its weights; the placeholder becomes the float8 bytes, and the scales and the
+    carrier (``fsdp_compile.runtime.float8``) come in as two more placeholders after it."""
 
 
 @dataclass(frozen=True)
@@ -160,10 +164,11 @@ def _shape(state: UnitState) -> tuple[object, ...]:
     return slots, state.layout.padded_numel, state.param_dtype
 
 
-def _body_calls(gm: fx.GraphModule, body: str, state: UnitState, shard: str, accum: str | None,
+def _body_calls(gm: fx.GraphModule, body: str, state: UnitState, shard: str, accum: str | None, start: str | None,
                 unit_inputs: UnitInputsPlan) -> list[UnitGather]:
     """A gather before each call of the shared body ``body`` (a top-level region) for the unit that the call passes
-    as the body's placeholder ``shard`` (and its gradient accumulator as ``accum``)."""
+    as the body's placeholder ``shard`` (and its gradient accumulator as ``accum``, a float8 unit's start as
+    ``start``)."""
     placeholders = [n.name for n in getattr(gm, body).graph.find_nodes(op="placeholder")]
     gathers = []
     for call in region_calls(gm):
@@ -174,8 +179,8 @@ def _body_calls(gm: fx.GraphModule, body: str, state: UnitState, shard: str, acc
         unit = unit_inputs.units.get(("", operand.name)) if isinstance(operand, fx.Node) else None
         if unit is None or _shape(unit) != _shape(state):
             raise AssertionError(f"{call.name} passes {operand} where body {body} reads unit {state.layout.name!r}")
-        call_accum = operands[accum].name if accum is not None else None
-        gathers.append(_gather(unit, "", operand.name, call_accum, (), call.name))
+        call_accum, call_start = (operands[name].name if name is not None else None for name in (accum, start))
+        gathers.append(_gather(unit, "", operand.name, call_accum, (), call.name, call_start))
     return gathers
 
 
@@ -216,11 +221,9 @@ def plan_collectives(gm: fx.GraphModule, unit_inputs: UnitInputsPlan) -> Collect
         state = unit_inputs.units[key]
         accum = accums[key]
         if path in shared:
-            if state.float8:
-                raise AssertionError(f"shared body {path} reads unit {state.layout.name!r}, gathered as float8")
             bodies.append(BodyInput(path, shard_name, state.layout.padded_numel, state.param_dtype,
-                                    str(state.compute_device), tuple(unit_views)))
-            gathers.extend(_body_calls(gm, path, state, shard_name, accum, unit_inputs))
+                                    str(state.compute_device), tuple(unit_views), state.float8))
+            gathers.extend(_body_calls(gm, path, state, shard_name, accum, starts.get(key), unit_inputs))
         else:
             gathers.append(_gather(state, path, shard_name, accum, tuple(unit_views), start=starts.get(key)))
     return CollectivesPlan(gathers=tuple(gathers), bodies=tuple(bodies))
@@ -237,36 +240,61 @@ def _add(graph: fx.Graph, op: str, target: object, args: tuple[object, ...]) -> 
     return node
 
 
-def _replace_markers(graph: fx.Graph, full: fx.Node, views: tuple[ParamView, ...], unit: str,
+def _tag(nodes: Sequence[fx.Node], unit: str) -> None:
+    for node in nodes:
+        node.meta["custom"] = {**node.meta.get("custom", {}), UNIT: unit}
+
+
+def _items(graph: fx.Graph, node: fx.Node) -> list[fx.Node]:
+    """The items of a node whose value is a tuple (a float8 gather's bytes, scales and carrier), as getitem nodes."""
+    items = []
+    for j, value in enumerate(node.meta["example_value"]):
+        items.append(graph.call_function(operator.getitem, (node, j)))
+        items[-1].meta["example_value"] = items[-1].meta["val"] = value
+    return items
+
+
+def _replace_markers(graph: fx.Graph, gathered: Sequence[fx.Node], views: tuple[ParamView, ...], unit: str,
                      float8: tuple[Float8Weight, ...] = ()) -> None:
-    """Each marker of ``views`` becomes a narrow and view of the gathered unit ``full``; of a float8 gather (``float8``:
-    its weights), its weight's ``Float8TrainingTensor``, an item of the gather's output."""
+    """Each marker of ``views`` becomes a narrow and view of the gathered unit (``gathered``: its one node); of a
+    float8 gather (``gathered``: its bytes, scales and carrier; ``float8``: its weights), its weight's
+    ``Float8TrainingTensor`` (``float8_weight``)."""
     nodes = {n.name: n for n in graph.nodes}
     item = {weight.offset: j for j, weight in enumerate(float8)}
     for view, marker in ((v, nodes[v.marker]) for v in views):
         with graph.inserting_before(marker):
             if float8:
+                bits, scales, carrier = gathered
                 j = item[view.slot.offset]
-                added = [graph.call_function(operator.getitem, (full, j))]
-                added[0].meta["example_value"] = added[0].meta["val"] = full.meta["example_value"][j]
+                added = [_add(graph, "call_function", float8_weight, (carrier, bits, scales, j, tuple(float8[j])))]
             else:
+                full = gathered[0]
                 narrowed = _add(graph, "call_function", torch.narrow, (full, 0, view.slot.offset, view.slot.numel))
                 added = [narrowed, _add(graph, "call_method", "view", (narrowed, list(view.slot.shape)))]
-        for node in added:
-            node.meta["custom"] = {**node.meta.get("custom", {}), UNIT: unit}
+        _tag(added, unit)
         marker.replace_all_uses_with(added[-1])
         graph.erase_node(marker)
 
 
 def _gathered_input(gm: fx.GraphModule, body: BodyInput) -> None:
-    """The shared body's placeholder for a flat shard becomes the gathered unit, which its markers read."""
+    """The shared body's placeholder for a flat shard becomes the gathered unit, which its markers read (a float8
+    unit: its bytes, then two placeholders more, its scales and its carrier)."""
     body_gm = gm.get_submodule(body.body)
     placeholder = next(n for n in body_gm.graph.find_nodes(op="placeholder") if n.name == body.placeholder)
     shard = placeholder.meta["example_value"]
+    gathered = [placeholder]
     with shard.fake_mode:
-        gathered = shard.new_empty(body.numel, dtype=body.dtype, device=body.device)
-        placeholder.meta["example_value"] = placeholder.meta["val"] = gathered
-    _replace_markers(body_gm.graph, placeholder, body.views, f"shared by {body.body}")
+        dtype = body.float8[0].float8_dtype if body.float8 else body.dtype
+        values = [shard.new_empty(body.numel, dtype=dtype, device=body.device)]
+        if body.float8:
+            values.append(shard.new_empty(len(body.float8), dtype=torch.float32, device=body.device))
+            values.append(shard.new_zeros((), dtype=body.dtype, device=body.device).expand(body.numel))
+    with body_gm.graph.inserting_after(placeholder):
+        for name in reversed(("scales", "carrier")[: len(values) - 1]):
+            gathered.insert(1, body_gm.graph.placeholder(f"{placeholder.name}_{name}"))
+    for node, value in zip(gathered, values):
+        node.meta["example_value"] = node.meta["val"] = value
+    _replace_markers(body_gm.graph, gathered, body.views, f"shared by {body.body}", body.float8)
 
 
 def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
@@ -296,13 +324,16 @@ def apply_collectives(gm: fx.GraphModule, plan: CollectivesPlan) -> None:
                 weights = tuple(tuple(weight) for weight in gather.float8)
                 full = _add(graph, "call_function", cast_all_gather_float8,
                             (shard, accum, nodes[gather.start], *how, weights))  # type: ignore[index]
+                gathered = _items(graph, full)
             else:
                 full = _add(graph, "call_function", cast_all_gather_differentiable, (shard, accum, *how))
+                gathered = [full]
             keep = {KEEP_GATHERED: True} if not gather.reshard_after_forward else {}
             full.meta["custom"] = {**full.meta.get("custom", {}), UNIT: gather.unit, **keep}
+            _tag(gathered[1:], gather.unit)
         if gather.call:
-            first.args = tuple(full if a is nodes[gather.shard] else a for a in first.args)
-        _replace_markers(graph, full, gather.views, gather.unit, gather.float8)
+            first.args = tuple(x for a in first.args for x in (gathered if a is nodes[gather.shard] else [a]))
+        _replace_markers(graph, gathered, gather.views, gather.unit, gather.float8)
     leftover = [n.format_node() for _, g in iter_graphs(gm) for n in g.graph.nodes if is_marker(n)]
     if leftover:
         raise AssertionError(f"insert_collectives left markers behind: {leftover}")

@@ -1,5 +1,5 @@
 """torchao's float8 weights gathered as float8 (``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``, tensorwise
-scaling, emulated on CPU): three AdamW steps as torchao's float8 with FSDP2 on 2 and 3 gloo ranks, and in the same run
+scaling, emulated on CPU): three AdamW steps as torchao's float8 with FSDP2 on 2 (Inductor) and 3 gloo ranks, and in the same run
 the forward graph's float8 bytes, one amax all-reduce per unit, no cast after the gather (one compile for both)."""
 
 from __future__ import annotations
@@ -30,10 +30,14 @@ ALL_GATHERS = (_c10d.all_gather_into_tensor.default, torch.ops.fsdp_compile.all_
 FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 FSDP2_RTOL = {2: 0.0, 3: 1e-6}
 """Against torchao float8 with FSDP2, float32 model, three AdamW steps (rel. error of each step's loss and of the
-parameters after): the same amax, scales and casts of the same float32 values on the same ranks, so only the gradient
-average can round otherwise. Over 2 ranks both average exactly (bitwise equal, as measured); over 3, FSDP2 divides each
-rank's gradient before gloo sums them and our reduce-scatter averages after: an ulp of float32 here and there, which
-AdamW's normalised update carries into the parameters (measured 3.0e-07)."""
+parameters after), under aot_eager: the same amax, scales and casts of the same float32 values on the same ranks, so
+only the gradient average can round otherwise. Over 2 ranks both average exactly (bitwise equal, as measured); over 3,
+FSDP2 divides each rank's gradient before gloo sums them and our reduce-scatter averages after: an ulp of float32 here
+and there, which AdamW's normalised update carries into the parameters (measured 3.0e-07)."""
+INDUCTOR_RTOL = 1e-5
+"""The same against the configuration users run (Inductor, default options: ``backend="fsdp_compile"``), 2 ranks:
+Inductor's fused kernels (the norms, torchao's scaling of activations) round float32 otherwise than eager: measured
+3.4e-06 on the parameters after three steps, as much as with the weights gathered in float32 under Inductor."""
 
 
 def _convert(model: Llama, gather: bool = True) -> None:
@@ -49,20 +53,32 @@ def _bodies(gm: fx.GraphModule) -> list[str]:
     return [call.args[0].target for call in region_calls(gm)]
 
 
-def _reads_gathered(node: fx.Node, through: tuple[object, ...]) -> bool:
-    """Whether ``node`` reads an all-gather's buffer (its output, or its slot), back through views and ``through``."""
-    source = node.args[0]
-    while isinstance(source, fx.Node) and (source.target in through or is_view_op(source.target)):
-        source = source.args[0]
-    return isinstance(source, fx.Node) and source.target in (*ALL_GATHERS, torch.ops.fsdp_compile.slot.default)
+def _is_gathered(node: object, through: tuple[object, ...], gathered: set[fx.Node]) -> bool:
+    """Whether ``node`` is an all-gather's buffer (its output, its slot, or a body's placeholder in ``gathered``),
+    back through views and ``through``."""
+    while isinstance(node, fx.Node) and (node.target in through or is_view_op(node.target)):
+        node = node.args[0]
+    return isinstance(node, fx.Node) and (
+        node in gathered or node.target in (*ALL_GATHERS, torch.ops.fsdp_compile.slot.default))
+
+
+def _graphs(forward: fx.GraphModule) -> list[tuple[fx.GraphModule, set[fx.Node]]]:
+    """``forward``, then the body of each of its region calls, with the body's placeholders the call passes a
+    gathered buffer (a body shared by two calls comes twice)."""
+    graphs = [(forward, set())]
+    for call in region_calls(forward):
+        body = getattr(forward, call.args[0].target)
+        graphs.append((body, {p for p, operand in zip(body.graph.find_nodes(op="placeholder"), call.args[2:])
+                              if _is_gathered(operand, (_c10d.wait_tensor.default,), set())}))
+    return graphs
 
 
 def _casts_of_gathered_weights(forward: fx.GraphModule) -> int:
-    """The float8 casts in ``forward`` of a gathered weight: back through views, dtype casts and torchao's scaling
-    (``x * scale``, clamp), an all-gather's buffer. (The tests' Llama with the switch off, its step as one graph: 14,
-    torchao's cast of each of the two blocks' seven weights.)"""
+    """The float8 casts in ``forward`` (and the bodies it calls) of a gathered weight: back through views, dtype casts
+    and torchao's scaling (``x * scale``, clamp), an all-gather's buffer. (The tests' Llama with the switch off, its
+    step as one graph: 14, torchao's cast of each of the two blocks' seven weights.)"""
     through = (*CASTS, torch.ops.aten.mul.Tensor, torch.ops.aten.clamp.default, _c10d.wait_tensor.default)
-    return sum(_reads_gathered(n, through) for n in forward.graph.nodes
+    return sum(_is_gathered(n.args[0], through, gathered) for gm, gathered in _graphs(forward) for n in gm.graph.nodes
                if n.target in CASTS and n.meta["val"].dtype in FLOAT8)
 
 
@@ -77,19 +93,20 @@ def _check_forward(forward: fx.GraphModule) -> None:
     assert set(by_dtype) == {torch.uint8, torch.float32} and len(by_dtype[torch.uint8]) == blocks, by_dtype
     weights = sum(m.weight.numel() for m in Block(LLAMA_TESTS).modules() if isinstance(m, nn.Linear))
     assert all(sent * 2 == weights for sent in by_dtype[torch.uint8]), (by_dtype, weights)  # (no padding here)
-    amax = [n for n in forward.graph.nodes if n.target == _c10d.all_reduce.default]
+    amax = [n for n in forward.graph.nodes if n.target in (_c10d.all_reduce.default, _c10d.all_reduce_.default)]
     assert [n.args[1] for n in amax] == ["max"] * blocks, [n.format_node() for n in amax]
-    weights = [n for n in forward.graph.nodes if is_view_op(n.target) and getattr(n.meta["val"], "dtype", None) in FLOAT8
-               and _reads_gathered(n, (_c10d.wait_tensor.default,))]  # views: the weights handed to the matmuls
+    weights = [n for gm, gathered in _graphs(forward) for n in gm.graph.nodes
+               if is_view_op(n.target) and getattr(n.meta["val"], "dtype", None) in FLOAT8
+               and _is_gathered(n.args[0], (_c10d.wait_tensor.default,), gathered)]  # the weights the matmuls read
     assert len(weights) >= 7 * blocks and _casts_of_gathered_weights(forward) == 0, forward.code
 
 
 def _train_against_fsdp2(rank: int, world_size: int) -> None:
     """Three AdamW steps of the float32 model with FSDP2 (torchao's float8, its weights gathered in float32: on gloo
     FSDP2's float8 all-gather raises "Invalid scalar type") and with fsdp_compile (aot_eager), each rank on its own
-    micro-batch: the weights gathered as float8 (on 2 ranks the last block's kept from forward to backward); on 2 ranks
-    also gathered in float32 (the switch off: the blocks share one body, [Note: shared bodies]); on 3 with every block
-    checkpointed (backward gathers float8 again)."""
+    micro-batch: the weights gathered as float8, the blocks sharing one body ([Note: shared bodies]), on 2 ranks under
+    Inductor with default options (the last block's kept from forward to backward) and also gathered in float32 (the
+    switch off); on 3 with every block checkpointed (backward gathers float8 again)."""
     from torch.distributed.fsdp import fully_shard
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -109,7 +126,7 @@ def _train_against_fsdp2(rank: int, world_size: int) -> None:
         _convert(model, gather=gather)
         kept = world_size == 2 and gather  # the last block's float8 weights saved for backward, not gathered again
         fsdp_compile.shard(model, units=[Block], reshard_after_forward=lambda fqn, _: not kept or fqn != "layers.1")
-        run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))
+        run = torch.compile(model, backend="fsdp_compile" if kept else fsdp_compile.backend(compiler="aot_eager"))
         systems[gather] = (run, torch.optim.AdamW(model.parameters(), lr=1e-2), model)
     worst = {f"{'float8' if gather else 'float32'} {k}": 0.0 for gather in systems for k in ("loss", "param")}
     traced: list[list[str]] = []  # the bodies each Dynamo graph calls, as Dynamo made them
@@ -145,12 +162,12 @@ def _train_against_fsdp2(rank: int, world_size: int) -> None:
         # anew at every call, gives each a body of its own: called once, written out).
         assert counted[gather]["float8_all_gathers"] == (LLAMA_TESTS.n_layers if gather else 0), counted
         bodies = (traced.pop(0), counted[gather]["shared_bodies"])  # (3 ranks: the blocks' regions inside checkpoints)
-        assert world_size == 3 or bodies in ((["subgraph_0"] * 2, 0 if gather else 1),
-                                             (["subgraph_0", "subgraph_1"], 0)), bodies
+        assert world_size == 3 or bodies in ((["subgraph_0"] * 2, 1), (["subgraph_0", "subgraph_1"], 0)), bodies
     said = f"against FSDP2, {world_size} ranks: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
     if rank == 0:
         print(said)
-    assert all(v <= FSDP2_RTOL[world_size] for v in worst.values()), said
+    assert all(v <= (INDUCTOR_RTOL if world_size == 2 and k.startswith("float8") else FSDP2_RTOL[world_size])
+               for k, v in worst.items()), said
     dist.barrier()
 
 

@@ -19,7 +19,7 @@ import torch
 from fsdp_compile._internals import c10d_functional as _c10d
 from fsdp_compile.runtime.ops import GradReduction, _Collectives, _reduce, all_gather_nograd, copy_to_device, wait
 
-__all__ = ["Float8Weight", "cast_all_gather_float8"]
+__all__ = ["Float8Weight", "cast_all_gather_float8", "float8_weight"]
 
 
 class Float8Weight(NamedTuple):
@@ -65,17 +65,9 @@ class _GatherFloat8Unit(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, shard: torch.Tensor, accum: torch.Tensor | None, start: torch.Tensor, how: _Collectives,
         weights: tuple[Float8Weight, ...],
-    ) -> tuple[torch.Tensor, ...]:
-        from torchao.float8.float8_training_tensor import (
-            Float8TrainingTensor,
-            GemmInputRole,
-            LinearMMConfig,
-            ScaledMMConfig,
-        )
-
-        ctx.shard_dtype, ctx.how, ctx.weights = shard.dtype, how, weights
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ctx.shard_dtype, ctx.how = shard.dtype, how
         ctx.accumulate_unsharded = accum is not None
-        ctx.padded_numel = shard.numel() * how.world_size
         if how.device is not None:  # CPU offload: cast on the device the unit computes on, from the shard's dtype
             shard = copy_to_device(shard, how.device, shard.dtype)
         index = torch.arange(shard.numel(), device=shard.device) + start  # each element's place in the unit
@@ -83,25 +75,43 @@ class _GatherFloat8Unit(torch.autograd.Function):
         bits = _cast(shard, index, scales, weights)
         if how.world_size > 1:  # gloo has no float8 dtype: the bytes travel
             bits = all_gather_nograd(bits.view(torch.uint8), how.world_size, how.group_name).view(bits.dtype)
-        return tuple(
-            Float8TrainingTensor(
-                bits[w.offset : w.offset + w.numel].view(w.shape), scales[j], how.param_dtype,
-                LinearMMConfig(*(ScaledMMConfig(*gemm) for gemm in w.mm_config)), GemmInputRole.WEIGHT,
-            )
-            for j, w in enumerate(weights)
-        )
+        ctx.mark_non_differentiable(bits, scales)
+        return bits, scales, bits.new_zeros((), dtype=how.param_dtype).expand(bits.numel())
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """The weights' gradients (a weight nothing read gets zeros: autograd materializes them) laid out as the
-        unit's flat gradient, zeros in the padding, and averaged."""
-        weights: tuple[Float8Weight, ...] = ctx.weights
-        parts, end = [], 0
-        for w, grad in zip(weights, grads):
-            parts += [grad.new_zeros(w.offset - end), grad.reshape(-1)]
-            end = w.offset + w.numel
-        parts.append(grads[0].new_zeros(ctx.padded_numel - end))
-        return (*_reduce(ctx, torch.cat(parts).to(ctx.how.param_dtype)), None, None, None)
+    def backward(ctx: Any, _bits: None, _scales: None, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        """The carrier's gradient is the unit's (its weights' gradients laid out flat, zeros elsewhere): averaged."""
+        return (*_reduce(ctx, grad.to(ctx.how.param_dtype)), None, None, None)
+
+
+class _Float8View(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, carried: torch.Tensor, bits: torch.Tensor, scale: torch.Tensor, mm_config: tuple[tuple[bool, ...], ...]
+    ) -> torch.Tensor:
+        from torchao.float8.float8_training_tensor import (
+            Float8TrainingTensor,
+            GemmInputRole,
+            LinearMMConfig,
+            ScaledMMConfig,
+        )
+
+        config = LinearMMConfig(*(ScaledMMConfig(*gemm) for gemm in mm_config))
+        return Float8TrainingTensor(bits, scale, carried.dtype, config, GemmInputRole.WEIGHT)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return grad, None, None, None
+
+
+def float8_weight(
+    carrier: torch.Tensor, bits: torch.Tensor, scales: torch.Tensor, index: int, weight: tuple[Any, ...]
+) -> torch.Tensor:
+    """Weight ``index`` of a float8 gather (``weight``: its :class:`Float8Weight` fields) as torchao's
+    ``Float8TrainingTensor``: its part of ``bits`` with its scale; its gradient goes to its part of ``carrier``."""
+    w = Float8Weight(*weight)
+    part = slice(w.offset, w.offset + w.numel)
+    return _Float8View.apply(carrier[part].view(w.shape), bits[part].view(w.shape), scales[index], w.mm_config)
 
 
 def cast_all_gather_float8(
@@ -117,11 +127,12 @@ def cast_all_gather_float8(
     replicate_group_name: str | None,
     device: torch.device | None,
     weights: tuple[tuple[Any, ...], ...],
-) -> tuple[torch.Tensor, ...]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All-gather one unit of float8 weights (``weights``: :class:`Float8Weight` fields, in the unit's order) as float8
-    bytes; each weight comes back as a ``Float8TrainingTensor`` of ``param_dtype``. Gradients as
-    ``cast_all_gather_differentiable``'s (the other arguments are its own); ``start``: this rank's first element of the
-    unit."""
+    bytes: (the gathered unit in float8, the weights' scales, the carrier), which :func:`float8_weight` makes into
+    weights. The carrier, ``param_dtype`` zeros of the unit's size that take no memory (one element, expanded), is
+    what the weights' gradients flow to: its gradient is averaged as ``cast_all_gather_differentiable`` averages a
+    unit's (the other arguments are its own); ``start``: this rank's first element of the unit."""
     how = _Collectives(
         param_dtype, reduce_dtype, grad_reduction, world_size, group_name, replicas,
         replicate_group_name if replicas > 1 else None, device,
