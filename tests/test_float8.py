@@ -1,5 +1,5 @@
 """torchao's float8 weights gathered as float8 (``Float8LinearConfig(enable_fsdp_float8_all_gather=True)``, tensorwise
-scaling, emulated on CPU): three AdamW steps as torchao's float8 with FSDP2 on 2 (Inductor) and 3 gloo ranks, and in the same run
+scaling, emulated on CPU): three AdamW steps as torchao's float8 with FSDP2 on 2 and 3 gloo ranks, and in the same run
 the forward graph's float8 bytes, one amax all-reduce per unit, no cast after the gather (one compile for both)."""
 
 from __future__ import annotations
@@ -34,10 +34,6 @@ parameters after), under aot_eager: the same amax, scales and casts of the same 
 only the gradient average can round otherwise. Over 2 ranks both average exactly (bitwise equal, as measured); over 3,
 FSDP2 divides each rank's gradient before gloo sums them and our reduce-scatter averages after: an ulp of float32 here
 and there, which AdamW's normalised update carries into the parameters (measured 3.0e-07)."""
-INDUCTOR_RTOL = 1e-5
-"""The same against the configuration users run (Inductor, default options: ``backend="fsdp_compile"``), 2 ranks:
-Inductor's fused kernels (the norms, torchao's scaling of activations) round float32 otherwise than eager: measured
-3.4e-06 on the parameters after three steps, as much as with the weights gathered in float32 under Inductor."""
 
 
 def _convert(model: Llama, gather: bool = True) -> None:
@@ -104,9 +100,10 @@ def _check_forward(forward: fx.GraphModule) -> None:
 def _train_against_fsdp2(rank: int, world_size: int) -> None:
     """Three AdamW steps of the float32 model with FSDP2 (torchao's float8, its weights gathered in float32: on gloo
     FSDP2's float8 all-gather raises "Invalid scalar type") and with fsdp_compile (aot_eager), each rank on its own
-    micro-batch: the weights gathered as float8, the blocks sharing one body ([Note: shared bodies]), on 2 ranks under
-    Inductor with default options (the last block's kept from forward to backward) and also gathered in float32 (the
-    switch off); on 3 with every block checkpointed (backward gathers float8 again)."""
+    micro-batch: the weights gathered as float8, the blocks sharing one body ([Note: shared bodies]) (on 2 ranks the
+    last block's kept from forward to backward); on 2 ranks also gathered in float32 (the switch off); on 3 with every
+    block checkpointed (backward gathers float8 again). (Under Inductor, checked by hand: 3.4e-06 on 2 ranks, as much as
+    the switch off there; this test under Inductor took 78 s of a full run here, cold, against ~25 s.)"""
     from torch.distributed.fsdp import fully_shard
     from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
@@ -126,7 +123,7 @@ def _train_against_fsdp2(rank: int, world_size: int) -> None:
         _convert(model, gather=gather)
         kept = world_size == 2 and gather  # the last block's float8 weights saved for backward, not gathered again
         fsdp_compile.shard(model, units=[Block], reshard_after_forward=lambda fqn, _: not kept or fqn != "layers.1")
-        run = torch.compile(model, backend="fsdp_compile" if kept else fsdp_compile.backend(compiler="aot_eager"))
+        run = torch.compile(model, backend=fsdp_compile.backend(compiler="aot_eager"))
         systems[gather] = (run, torch.optim.AdamW(model.parameters(), lr=1e-2), model)
     worst = {f"{'float8' if gather else 'float32'} {k}": 0.0 for gather in systems for k in ("loss", "param")}
     traced: list[list[str]] = []  # the bodies each Dynamo graph calls, as Dynamo made them
@@ -166,8 +163,7 @@ def _train_against_fsdp2(rank: int, world_size: int) -> None:
     said = f"against FSDP2, {world_size} ranks: " + ", ".join(f"{k} {v:.1e}" for k, v in worst.items())
     if rank == 0:
         print(said)
-    assert all(v <= (INDUCTOR_RTOL if world_size == 2 and k.startswith("float8") else FSDP2_RTOL[world_size])
-               for k, v in worst.items()), said
+    assert all(v <= FSDP2_RTOL[world_size] for v in worst.values()), said
     dist.barrier()
 
 
