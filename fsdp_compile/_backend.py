@@ -149,9 +149,14 @@ def _inductor_inner_compile(
     return inner_compile
 
 
+GraphRunner = Callable[[debug.Stage, fx.GraphModule], Callable[[list[Any]], Any]]
+"""How an aot_eager graph runs, given its stage and module: a boxed function (``fsdp_compile.estimate`` walks the
+graphs node by node); by default the graph module's own code."""
+
+
 def _eager_compiler(
     stage: debug.Stage, config: BackendConfig, post_grad: PassPipeline, watches: set[ModelWatch],
-    after: Callable[[], None] | None = None,
+    after: Callable[[], None] | None = None, runner: GraphRunner | None = None,
 ) -> Callable:
     def compiler(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
         debug.record(stage, gm)
@@ -159,7 +164,8 @@ def _eager_compiler(
             for body in dict.fromkeys(getattr(gm, call.args[0].target) for call in region_calls(gm)):
                 post_grad(body.graph)  # as Inductor does: the bodies first
             post_grad(gm.graph)
-        return WatchedGraph(_internals.make_boxed_func(gm.forward), watches, stage, after)
+        run = _internals.make_boxed_func(gm.forward) if runner is None else runner(stage, gm)
+        return WatchedGraph(run, watches, stage, after)
 
     return compiler
 
@@ -327,13 +333,15 @@ def _compile(
     config: BackendConfig,
     mode: str | None = None,
     options: dict[str, Any] | None = None,
+    runner: GraphRunner | None = None,
 ) -> Callable[..., Any]:
     with _dump.dumping(config.dump):
-        return _compile_dumped(gm, example_inputs, config, _user_settings(config, mode, options))
+        return _compile_dumped(gm, example_inputs, config, _user_settings(config, mode, options), runner)
 
 
 def _compile_dumped(
-    gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig, user_settings: dict[str, Any]
+    gm: fx.GraphModule, example_inputs: Sequence[Any], config: BackendConfig, user_settings: dict[str, Any],
+    runner: GraphRunner | None = None,
 ) -> Callable[..., Any]:
     cudagraphs = config.cudagraphs or bool(user_settings.get("triton.cudagraphs"))
     plan, routes, states = _insert_collectives(gm, example_inputs, config, cudagraphs)
@@ -354,8 +362,8 @@ def _compile_dumped(
     if config.compiler == "aot_eager":
         with _internals.body_schemas_once():
             return _internals.aot_autograd(
-                fw_compiler=_eager_compiler("forward", config, post_grad, watches),
-                bw_compiler=_eager_compiler("backward", config, post_grad, watches, after_backward),
+                fw_compiler=_eager_compiler("forward", config, post_grad, watches, runner=runner),
+                bw_compiler=_eager_compiler("backward", config, post_grad, watches, after_backward, runner),
                 partition_fn=_partition_resharded,
                 keep_inference_input_mutations=True,
             )(gm, example_inputs)

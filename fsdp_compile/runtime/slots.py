@@ -14,7 +14,9 @@ another slot's.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,7 +28,7 @@ from fsdp_compile._internals import cuda_driver, lifetime, step_ops, symm_mem
 
 __all__ = [
     "EXCHANGE_INTO_SLOT", "INTO_SLOT", "SLOT", "Slab", "WAIT_EXCHANGE", "all_gather_into_slot",
-    "exchange_into_slot", "release_slabs", "reserve_slab", "ring_order", "slab_bytes", "slab_of", "slot",
+    "every_slab", "exchange_into_slot", "fake_slabs", "release_slabs", "reserve_slab", "ring_order", "slab_bytes", "slab_of", "slot",
     "wait_exchange",
 ]
 
@@ -119,6 +121,19 @@ class Slab:
 _slabs: dict[tuple[str, str], Slab] = {}
 _retired: list[Slab] = []
 """Slabs a larger one replaced: CUDA graphs captured before still read and write their memory."""
+_fake: list[Any] = []
+"""The fake mode slabs are made in while ``fake_slabs`` runs (``fsdp_compile.estimate``: nothing allocated)."""
+
+
+@contextlib.contextmanager
+def fake_slabs(mode: Any) -> Iterator[None]:
+    """Slabs reserved inside are fake tensors of ``mode`` (``fsdp_compile.estimate``), dropped at the end."""
+    _fake.append(mode)
+    try:
+        yield
+    finally:
+        _fake.pop()
+        _drop_slabs()
 
 
 def reserve_slab(group_name: str, device: torch.device, nbytes: int, symmetric: bool, keep_old: bool) -> Slab:
@@ -149,7 +164,11 @@ def reserve_slab(group_name: str, device: torch.device, nbytes: int, symmetric: 
         memory, handle = symm_mem.slab(group_name, device, start + 8 * _internals.group_named(group_name).size())
         return Slab(memory[:nbytes], handle, _signals(handle, start // 8))
 
-    _slabs[key] = slab = _internals.outside_graph_pools(device, allocate)
+    if _fake:
+        with _fake[-1]:
+            _slabs[key] = slab = allocate()
+    else:
+        _slabs[key] = slab = _internals.outside_graph_pools(device, allocate)
     lifetime.before_destroy("slabs", _drop_slabs)
     return slab
 
@@ -184,6 +203,11 @@ def _drop_slabs() -> None:
     exist only with the backend's ``cudagraphs``, whose own hook, registered before any slab, frees them first."""
     _slabs.clear()
     _retired.clear()
+
+
+def every_slab() -> list[Slab]:
+    """The slabs in use and those a larger one replaced."""
+    return [*_slabs.values(), *_retired]
 
 
 def slab_of(group_name: str, device: torch.device) -> Slab:

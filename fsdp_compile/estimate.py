@@ -1,0 +1,286 @@
+"""Know before launch: one training step's peak memory per rank, for any world size, from the compiled graphs, on
+fake tensors (nothing allocated, no GPU) — ``fsdp_compile.estimate(...)`` and ``python -m fsdp_compile estimate``.
+
+How: the model is built on the meta device, sharded over a fake process group of ``world_size`` ranks (this process is
+rank 0), its shards made fake tensors, and the step compiled as the backend compiles it (the same passes, partition,
+memory plan; aot_eager's graphs, not Inductor's kernels). A second step then runs node by node on the fake tensors
+while every storage is counted from the op that makes it to the moment nothing holds it: the peak, what is live then
+(each storage named by what made it) and where the step is. [Note: estimate] in docs/architecture.md says what it
+leaves out (Inductor's fusions keep some temporaries of the graphs from ever existing; the allocator's slack).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.fx as fx
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from fsdp_compile import _backend
+from fsdp_compile._layout import UNIT
+from fsdp_compile._shard import shard
+from fsdp_compile._unit import sharded_units
+from fsdp_compile.config import BackendConfig
+from fsdp_compile.runtime import slots
+
+__all__ = ["MemoryEstimate", "estimate"]
+
+ROUND = 512
+"""The CUDA caching allocator rounds every block up to a multiple of 512 bytes."""
+_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_SLOT = torch.ops.fsdp_compile.slot.default
+_INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+PARTS = ("parameters", "gradients", "optimizer states", "communication slots", "gathered units",
+         "saved for backward", "activations and temporaries", "other")
+"""What a live storage at the peak is, in the order ``MemoryEstimate.parts`` lists them."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    """One step's memory on one rank (rank 0) of ``world_size``: ``peak`` bytes (each storage rounded as the CUDA
+    allocator rounds it), what is live then by part (:data:`PARTS`), where the step is then (``at``: the graph, the
+    node, its unit), and what lives between steps (``steady``: parameters, gradients, optimizer states, slots)."""
+
+    world_size: int
+    peak: int
+    parts: dict[str, int]
+    at: str
+    steady: int
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    def table(self) -> str:
+        rows = [f"rank 0 of {self.world_size}: peak {_gib(self.peak)} ({self.peak:,} B), at {self.at}"]
+        rows += [f"  {part:<28} {_gib(size):>12}" for part, size in self.parts.items() if size]
+        rows.append(f"  {'(between steps)':<28} {_gib(self.steady):>12}")
+        return "\n".join(rows)
+
+
+def _gib(size: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if size >= scale:
+            return f"{size / scale:.2f} {unit}"
+    return f"{size / 2**10:.1f} KiB"
+
+
+@dataclass
+class _Block:
+    key: int
+    nbytes: int
+    part: str
+    where: str
+
+
+class _LiveBytes(TorchDispatchMode):
+    """Every storage an op makes, counted (rounded to :data:`ROUND`) until nothing holds it; the peak and the
+    storages live at it. ``where``: what runs now (``_Walk`` sets it)."""
+
+    supports_higher_order_operators = True  # (rng state around a recomputed op: its output counted as an op's)
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live: dict[int, _Block] = {}
+        self.now = self.peak = 0
+        self.at_peak: list[_Block] = []
+        self.peak_where = ""
+        self.stage = "outside"
+        self.node: fx.Node | None = None
+        self.on = False
+        """Counting (the measured step); Dynamo runs no compiled code under a dispatch mode, so the mode is entered
+        inside each graph's run and around the optimizer's step, not around the model's call."""
+
+    def add(self, storage: torch.UntypedStorage, part: str, where: str, counted: bool = True) -> None:
+        key = storage._cdata
+        if key in self.live:
+            return
+        block = _Block(key, -(-storage.nbytes() // ROUND) * ROUND if counted else 0, part, where)
+        self.live[key] = block
+        self.now += block.nbytes
+        weakref.finalize(storage, self._free, key)
+        if self.now > self.peak:
+            self.peak, self.at_peak, self.peak_where = self.now, list(self.live.values()), self._where()
+
+    def _free(self, key: int) -> None:
+        self.now -= self.live.pop(key).nbytes
+
+    def _where(self) -> str:
+        if self.node is None:
+            return self.stage
+        unit = self.node.meta.get("custom", {}).get(UNIT)
+        graph = self.stage if self.stage.endswith(":") else f"{self.stage} graph,"
+        return f"{graph} node {self.node.name}" + (f" (unit {unit})" if unit else "")
+
+    def _part(self) -> str:
+        if self.node is not None and UNIT in self.node.meta.get("custom", {}):
+            return "gathered units"
+        return "activations and temporaries" if self.stage.startswith(("forward", "backward")) else "other"
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func is _WAIT:  # a fake wait returns a new tensor; a real one its input
+            return args[0]
+        if func is _SLOT:  # a view of its slab (counted before the step), made a storage of its own
+            self.add(out.untyped_storage(), "communication slots", self._where(), counted=False)
+            return out
+        for value in tree_leaves(out):
+            if isinstance(value, torch.Tensor):
+                self.add(value.untyped_storage(), self._part(), self._where())
+        return out
+
+
+class _Walk(fx.Interpreter):
+    """A graph run node by node (each value dropped after its last use, as the graph's code drops it), telling the
+    counter which node runs; a shared body's call runs its body so, inside."""
+
+    def __init__(self, gm: fx.GraphModule, stage: str, counter: _LiveBytes) -> None:
+        super().__init__(gm)
+        self.stage, self.counter = stage, counter
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.counter.stage, self.counter.node = self.stage, n
+        try:
+            return super().run_node(n)
+        finally:
+            self.counter.node = None
+
+    def call_function(self, target: Any, args: Any, kwargs: Any) -> Any:
+        if target is _INVOKE_SUBGRAPH:
+            body, _, *operands = args
+            caller = self.counter.node
+            return tuple(_Walk(body, f"{self.stage} graph, {caller.name}'s body:", self.counter).run(*operands))
+        return super().call_function(target, args, kwargs)
+
+
+def _runner(counter: _LiveBytes) -> _backend.GraphRunner:
+    def run(stage: str, gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
+        def boxed(args: list[Any]) -> Any:
+            with counter if counter.on else contextlib.nullcontext():
+                return _Walk(gm, stage, counter).boxed_run(args)
+
+        boxed._boxed_call = True  # type: ignore[attr-defined]
+        return boxed
+
+    return run
+
+
+@contextmanager
+def _fake_group(world_size: int) -> Iterator[None]:
+    """A fake process group of ``world_size`` ranks, this process rank 0 (or the one already made so)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_backend() == "fake" and dist.get_world_size() == world_size:
+            yield
+            return
+        raise RuntimeError(
+            f"estimate() makes a fake process group of {world_size} ranks, but this process already has a "
+            f"{dist.get_backend()!r} group of {dist.get_world_size()}: call it in a process that has none (before "
+            "init_process_group, or `python -m fsdp_compile estimate`)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def _storages(tensors: Iterator[torch.Tensor | None]) -> set[int]:
+    return {t.untyped_storage()._cdata for t in tensors if isinstance(t, torch.Tensor)}
+
+
+def estimate(
+    build: Callable[[], nn.Module],
+    step_inputs: Callable[[], Sequence[Any]],
+    *,
+    world_size: int,
+    units: Any,
+    shard_options: dict[str, Any] | None = None,
+    backend_options: dict[str, Any] | None = None,
+    optimizer: Callable[[Any], torch.optim.Optimizer] = functools.partial(torch.optim.AdamW, foreach=True),
+    loss: Callable[[Any], torch.Tensor] = lambda out: out,
+) -> MemoryEstimate:
+    """Rank 0's peak memory in a training step of ``build()``'s model sharded over ``world_size`` ranks.
+
+    ``build()`` is called under ``torch.device("meta")``; ``step_inputs()`` (called inside the fake mode: make its
+    tensors there, any values) gives one step's arguments, ``loss(model(*step_inputs()))`` the loss; ``units``,
+    ``shard_options`` (``shard()``'s others: ``mp``, ``reshard_after_forward``, ``offload_policy``...) and
+    ``backend_options`` (``fsdp_compile.backend``'s; the graphs run as aot_eager runs them) as for training."""
+    with _fake_group(world_size):
+        with torch.device("meta"):
+            model = build()
+        shard(model, units=units, **(shard_options or {}))
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        with mode, slots.fake_slabs(mode):
+            model.to_empty(device="cpu")
+            return count_step(model, optimizer(model.parameters()), step_inputs, backend_options=backend_options,
+                              loss=loss)
+
+
+def count_step(
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    step_inputs: Callable[[], Sequence[Any]],
+    *,
+    backend_options: dict[str, Any] | None = None,
+    loss: Callable[[Any], torch.Tensor] = lambda out: out,
+) -> MemoryEstimate:
+    """Compile ``model`` (sharded) with the backend under aot_eager, run two steps and count the second's memory.
+    ``estimate`` runs it on fake tensors; on real ranks it counts what the step holds."""
+    config = BackendConfig(**{**(backend_options or {}), "compiler": "aot_eager"})
+    counter = _LiveBytes()
+    compiled = torch.compile(model, backend=functools.partial(_backend._compile, config=config,
+                                                              runner=_runner(counter)))
+    for step in range(2):  # the first compiles; by the second the optimizer's states exist
+        if step:
+            _count_persistent(counter, model, opt)
+            counter.on = True
+        loss(compiled(*step_inputs())).backward()
+        grads = _storages(p.grad for p in model.parameters())
+        for block in counter.live.values():
+            block.part = "gradients" if block.key in grads else block.part
+        counter.stage, counter.node = "optimizer", None
+        with counter if step else contextlib.nullcontext():
+            opt.step()
+        opt.zero_grad(set_to_none=True)
+    counter.on = False
+    parts = dict.fromkeys(PARTS, 0)
+    peak_stage = counter.peak_where.split(" ")[0]
+    for block in counter.at_peak:
+        part = block.part
+        if part == "activations and temporaries" and peak_stage == "backward" and block.where.startswith("forward"):
+            part = "saved for backward"
+        parts[part] += block.nbytes
+    return MemoryEstimate(world_size=dist.get_world_size(), peak=counter.peak, parts=parts, at=counter.peak_where,
+                          steady=counter.now)
+
+
+def _count_persistent(counter: _LiveBytes, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """What lives before the measured step: the units' shards (and their gradient accumulators, sync off), the other
+    parameters and buffers, the optimizer's states and the slots' slabs (a slot is a view of its slab)."""
+    units = sharded_units(model)
+    for tensor in (*model.parameters(), *model.buffers(), *(u.flat for u in units)):
+        counter.add(tensor.untyped_storage(), "parameters", "before the step")
+    for unit in units:
+        if unit.accum is not None:
+            counter.add(unit.accum.untyped_storage(), "gradients", "before the step")
+    for state in opt.state.values():
+        for tensor in state.values():
+            if isinstance(tensor, torch.Tensor):
+                counter.add(tensor.untyped_storage(), "optimizer states", "before the step")
+    for slab in slots.every_slab():
+        counter.add(slab.memory.untyped_storage(), "communication slots", "before the step")
+        for view in slab.slots.values():
+            counter.add(view.untyped_storage(), "communication slots", "before the step", counted=False)
