@@ -1,5 +1,7 @@
 """``python -m fsdp_compile explain DIR [--trace FILE]`` (also the console script ``fsdp-compile``): what the
-compiler did, from the folder ``FSDP_COMPILE_DUMP=DIR`` wrote (:mod:`fsdp_compile.explain`)."""
+compiler did, from the folder ``FSDP_COMPILE_DUMP=DIR`` wrote (:mod:`fsdp_compile.explain`); ``python -m
+fsdp_compile estimate MODULE:FUNCTION --world-size N --tokens T``: one step's peak memory on rank 0 before launch
+(:mod:`fsdp_compile.estimate`)."""
 
 from __future__ import annotations
 
@@ -18,7 +20,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = commands.add_parser("explain", help=explain.__doc__.split("\n\n")[0])
     command.add_argument("dump", help="the folder FSDP_COMPILE_DUMP (or backend(dump=...)) wrote")
     command.add_argument("--trace", help="a profiler's Chrome trace (torch.profiler's export_chrome_trace)")
+    command = commands.add_parser("estimate", help="one training step's peak memory on rank 0, on fake tensors")
+    command.add_argument("model", help="MODULE:FUNCTION, a function of no arguments that returns the model "
+                         "(built on the meta device; its forward takes (inputs, targets) token ids, returns the loss)")
+    command.add_argument("--units", required=True, help="the unit class's name (shard(units=[that class]))")
+    command.add_argument("--world-size", type=int, required=True)
+    command.add_argument("--tokens", type=int, required=True, help="tokens per rank and step")
+    command.add_argument("--seq", type=int, help="the longest sequence (default: --tokens); more tokens go to the batch")
+    command.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
+                         help="MixedPrecision(param_dtype=...), gradients reduced in float32")
+    command.add_argument("--json", action="store_true", help="the estimate as JSON")
     args = parser.parse_args(argv)
+    if args.command == "estimate":
+        return _estimate(args)
     try:
         dump = explain.load(args.dump)
     except FileNotFoundError as e:
@@ -41,6 +55,49 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # the reader stopped early (``| head``): the pictures are written all the same
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     return 0
+
+
+def _estimate(args: argparse.Namespace) -> int:
+    import importlib
+
+    import torch
+
+    from fsdp_compile import MixedPrecision
+    from fsdp_compile.estimate import estimate
+
+    module_name, _, function = args.model.partition(":")
+    try:
+        build = getattr(importlib.import_module(module_name), function)
+    except (ImportError, AttributeError, ValueError) as e:
+        print(f"fsdp_compile estimate: cannot load {args.model!r} ({e}): give MODULE:FUNCTION, importable from here",
+              file=sys.stderr)
+        return 2
+    units = [type(m) for m in _modules(build) if type(m).__name__ == args.units][:1]
+    if not units:
+        print(f"fsdp_compile estimate: {args.model}'s model has no submodule of class {args.units!r}", file=sys.stderr)
+        return 2
+    seq = args.seq or args.tokens
+    if args.tokens % seq:
+        print(f"fsdp_compile estimate: --tokens {args.tokens} is not a multiple of --seq {seq}", file=sys.stderr)
+        return 2
+    dtype = getattr(torch, args.param_dtype)
+
+    def inputs() -> tuple[torch.Tensor, torch.Tensor]:
+        tokens = torch.zeros(args.tokens // seq, seq + 1, dtype=torch.long)
+        return tokens[:, :-1], tokens[:, 1:]
+
+    result = estimate(build, inputs, world_size=args.world_size, units=units,
+                      shard_options={"mp": MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)})
+    print(result.to_json() if args.json else result.table())
+    return 0
+
+
+def _modules(build: object) -> list[object]:
+    """The modules of the model ``build()`` makes, built on the meta device (to find the unit class by name)."""
+    import torch
+
+    with torch.device("meta"):
+        return list(build().modules())  # type: ignore[operator]
 
 
 if __name__ == "__main__":

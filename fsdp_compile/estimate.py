@@ -5,8 +5,8 @@ How: the model is built on the meta device, sharded over a fake process group of
 rank 0), its shards made fake tensors, and the step compiled as the backend compiles it (the same passes, partition,
 memory plan; aot_eager's graphs, not Inductor's kernels). A second step then runs node by node on the fake tensors
 while every storage is counted from the op that makes it to the moment nothing holds it: the peak, what is live then
-(each storage named by what made it) and where the step is. [Note: estimate] in docs/architecture.md says what it
-leaves out (Inductor's fusions keep some temporaries of the graphs from ever existing; the allocator's slack).
+(each storage named by what made it) and where the step is. docs/big-models.md ("Before launch") says what it leaves
+out (Inductor's fusions keep some temporaries of the graphs from ever existing; the allocator's slack).
 """
 
 from __future__ import annotations
@@ -25,11 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
-
 from fsdp_compile import _backend
+from fsdp_compile._internals import FakeTensorMode, TorchDispatchMode, c10d_functional, fake_store, tree_leaves
 from fsdp_compile._layout import UNIT
 from fsdp_compile._shard import shard
 from fsdp_compile._unit import sharded_units
@@ -40,7 +37,7 @@ __all__ = ["MemoryEstimate", "estimate"]
 
 ROUND = 512
 """The CUDA caching allocator rounds every block up to a multiple of 512 bytes."""
-_WAIT = torch.ops._c10d_functional.wait_tensor.default
+_WAIT = c10d_functional.wait_tensor.default
 _SLOT = torch.ops.fsdp_compile.slot.default
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
 PARTS = ("parameters", "gradients", "optimizer states", "communication slots", "gathered units",
@@ -85,7 +82,7 @@ class _Block:
     where: str
 
 
-class _LiveBytes(TorchDispatchMode):
+class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
     """Every storage an op makes, counted (rounded to :data:`ROUND`) until nothing holds it; the peak and the
     storages live at it. ``where``: what runs now (``_Walk`` sets it)."""
 
@@ -180,8 +177,6 @@ def _runner(counter: _LiveBytes) -> _backend.GraphRunner:
 @contextmanager
 def _fake_group(world_size: int) -> Iterator[None]:
     """A fake process group of ``world_size`` ranks, this process rank 0 (or the one already made so)."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         if dist.get_backend() == "fake" and dist.get_world_size() == world_size:
             yield
@@ -190,7 +185,7 @@ def _fake_group(world_size: int) -> Iterator[None]:
             f"estimate() makes a fake process group of {world_size} ranks, but this process already has a "
             f"{dist.get_backend()!r} group of {dist.get_world_size()}: call it in a process that has none (before "
             "init_process_group, or `python -m fsdp_compile estimate`)")
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world_size)
     try:
         yield
     finally:

@@ -40,11 +40,11 @@ import torch.fx as fx
 
 __all__ = [
     "BODY_DONATION_HOOK", "BackendCompilerFailed", "bodies_donate_nothing", "body_schemas_once", "COMPILE_AFRESH", "INVOKE_SUBGRAPH", "compile_region", "dynamo_reset", "frame_callback", "is_region_break", "set_frame_callback", "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
-    "aot_autograd", "c10d_functional", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
+    "FakeTensorMode", "TorchDispatchMode", "aot_autograd", "c10d_functional", "fake_store", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_ranks", "group_store",
     "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
-    "list_mode_options", "make_boxed_func", "mark_static", "outside_fake_mode", "outside_graph_pools",
+    "list_mode_options", "make_boxed_func", "mark_static", "outside_fake_mode", "outside_graph_pools", "tree_leaves",
     "placeholder_source", "run_by_python", "running_backward",
     "min_cut_rematerialization_partition", "no_donated_buffers", "no_torch_function_subclass", "register_work", "run_observed",
     "set_optimizer_state_dict", "sharded_tensor", "trace_log", "trace_structured",
@@ -105,6 +105,15 @@ trace_log: Any = _need("torch._logging._internal", "trace_log")
 _OpOverload: type = _need("torch._ops", "OpOverload")
 outside_fake_mode: Callable[[], Any] = _need("torch._subclasses.fake_tensor", "unset_fake_temporarily")
 """Context manager: real tensors, even inside a compile (whose passes run under a FakeTensorMode)."""
+FakeTensorMode: type = _need("torch._subclasses.fake_tensor", "FakeTensorMode")
+TorchDispatchMode: type = _need("torch.utils._python_dispatch", "TorchDispatchMode")
+tree_leaves: Callable[[Any], list[Any]] = _need("torch.utils._pytree", "tree_leaves")
+
+
+def fake_store() -> Any:
+    """The store of a fake process group (``dist.init_process_group("fake", store=...)``): collectives that do
+    nothing, for one process acting as rank 0 of any world size."""
+    return _need("torch.testing._internal.distributed.fake_pg", "FakeStore")()
 _GraphTransformObserver: type = _need("torch.fx.passes.graph_transform_observer", "GraphTransformObserver")
 
 ShardMetadata: type = _need("torch.distributed._shard.metadata", "ShardMetadata")
