@@ -360,12 +360,15 @@ def _compile_dumped(
         _reserve_workspaces(gm, plan)
     after_backward = _after_backward(states)
     if config.compiler == "aot_eager":
+        # A runner (fsdp_compile.estimate) walks the graphs Inductor would lower: its decompositions applied.
+        decompositions = _internals.inductor_decompositions() if runner is not None else None
         with _internals.body_schemas_once():
             return _internals.aot_autograd(
                 fw_compiler=_eager_compiler("forward", config, post_grad, watches, runner=runner),
                 bw_compiler=_eager_compiler("backward", config, post_grad, watches, after_backward, runner),
                 partition_fn=_partition_resharded,
                 keep_inference_input_mutations=True,
+                decompositions=decompositions,
             )(gm, example_inputs)
     # The passes are also patched around compile_fx so that they are part of the cache keys (FX graph and
     # AOTAutograd caches): a graph compiled with other options is never reused.

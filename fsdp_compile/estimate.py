@@ -26,7 +26,14 @@ import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
 from fsdp_compile import _backend
-from fsdp_compile._internals import FakeTensorMode, TorchDispatchMode, c10d_functional, fake_store, tree_leaves
+from fsdp_compile._internals import (
+    FakeTensorMode,
+    TorchDispatchMode,
+    c10d_functional,
+    fake_store,
+    is_view_op,
+    tree_leaves,
+)
 from fsdp_compile._layout import UNIT
 from fsdp_compile._shard import shard
 from fsdp_compile._unit import sharded_units
@@ -40,6 +47,15 @@ ROUND = 512
 _WAIT = c10d_functional.wait_tensor.default
 _SLOT = torch.ops.fsdp_compile.slot.default
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
+_COPY_TO_HOST = torch.ops.fsdp_compile.copy_to_host.default
+_SCATTERS = {getattr(torch.ops.aten, name) for name in (
+    "scatter", "scatter_add", "scatter_reduce", "index_put", "_unsafe_index_put", "slice_scatter", "select_scatter",
+    "as_strided_scatter", "diagonal_scatter", "index_add")}
+_FUSED_KERNELS = {torch.ops.aten.sum, torch.ops.aten.mean, torch.ops.aten.amax, torch.ops.aten.amin,
+                  torch.ops.aten.var_mean, torch.ops.aten.prod, torch.ops.aten.gather, torch.ops.aten.index,
+                  torch.ops.aten.embedding}
+"""Besides pointwise ops, what Inductor lowers into kernels that fuse with what they read: reductions, and indexed
+loads (gather, index, embedding)."""
 PARTS = ("parameters", "gradients", "optimizer states", "communication slots", "gathered units",
          "saved for backward", "activations and temporaries", "other")
 """What a live storage at the peak is, in the order ``MemoryEstimate.parts`` lists them."""
@@ -56,6 +72,9 @@ class MemoryEstimate:
     parts: dict[str, int]
     at: str
     steady: int
+    host_peak: int = 0
+    """CPU offload: the host memory the step's tensors reach (the shards, the optimizer's states, the gradients copied
+    back, the optimizer's temporaries); pinned staging and the process itself not counted."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -64,6 +83,8 @@ class MemoryEstimate:
         rows = [f"rank 0 of {self.world_size}: peak {_gib(self.peak)} ({self.peak:,} B), at {self.at}"]
         rows += [f"  {part:<28} {_gib(size):>12}" for part, size in self.parts.items() if size]
         rows.append(f"  {'(between steps)':<28} {_gib(self.steady):>12}")
+        if self.host_peak:
+            rows.append(f"host (CPU offload): peak {_gib(self.host_peak)}")
         return "\n".join(rows)
 
 
@@ -80,6 +101,7 @@ class _Block:
     nbytes: int
     part: str
     where: str
+    host: bool = False
 
 
 class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
@@ -88,10 +110,17 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
 
     supports_higher_order_operators = True  # (rng state around a recomputed op: its output counted as an op's)
 
-    def __init__(self) -> None:
+    def __init__(self, fusion: bool = False) -> None:
         super().__init__()
+        self.fusion = fusion
+        """Inductor's fusion: a value made by a pointwise op (or a reduction) and read only by such ops, never kept
+        (not an output of its graph), is computed inside its readers' kernel: no storage (``_fused``)."""
+        self._inputs_of: dict[int, torch.Tensor] = {}
+        """An output made in its input's memory (``_reinplaced``) -> that input, kept until the output dies."""
         self.live: dict[int, _Block] = {}
-        self.now = self.peak = 0
+        self.now = self.peak = self.host_now = self.host_peak = 0
+        self.host_stage = False
+        """What is made now is host memory (CPU offload's optimizer step)."""
         self.at_peak: list[_Block] = []
         self.peak_where = ""
         self.stage = "outside"
@@ -100,19 +129,30 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
         """Counting (the measured step); Dynamo runs no compiled code under a dispatch mode, so the mode is entered
         inside each graph's run and around the optimizer's step, not around the model's call."""
 
-    def add(self, storage: torch.UntypedStorage, part: str, where: str, counted: bool = True) -> None:
+    def add(self, storage: torch.UntypedStorage, part: str, where: str, counted: bool = True,
+            host: bool = False) -> None:
+        """Count ``storage`` from now until nothing holds it, on the device (or the host: CPU offload)."""
         key = storage._cdata
         if key in self.live:
             return
-        block = _Block(key, -(-storage.nbytes() // ROUND) * ROUND if counted else 0, part, where)
+        block = _Block(key, -(-storage.nbytes() // ROUND) * ROUND if counted else 0, part, where, host)
         self.live[key] = block
-        self.now += block.nbytes
         weakref.finalize(storage, self._free, key)
+        if host:
+            self.host_now += block.nbytes
+            self.host_peak = max(self.host_peak, self.host_now)
+            return
+        self.now += block.nbytes
         if self.now > self.peak:
             self.peak, self.at_peak, self.peak_where = self.now, list(self.live.values()), self._where()
 
     def _free(self, key: int) -> None:
-        self.now -= self.live.pop(key).nbytes
+        block = self.live.pop(key)
+        if block.host:
+            self.host_now -= block.nbytes
+        else:
+            self.now -= block.nbytes
+        self._inputs_of.pop(key, None)
 
     def _where(self) -> str:
         if self.node is None:
@@ -133,10 +173,44 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
         if func is _SLOT:  # a view of its slab (counted before the step), made a storage of its own
             self.add(out.untyped_storage(), "communication slots", self._where(), counted=False)
             return out
+        counted = not (self.fusion and self.node is not None and _fused(self.node))
+        if self.fusion and self.node is not None and _reinplaced(self.node, func):  # the output is its input's memory
+            self.add(out.untyped_storage(), self._part(), self._where(), counted=False)
+            self._inputs_of[out.untyped_storage()._cdata] = args[0]
+        host = self.host_stage or func is _COPY_TO_HOST
         for value in tree_leaves(out):
             if isinstance(value, torch.Tensor):
-                self.add(value.untyped_storage(), self._part(), self._where())
+                self.add(value.untyped_storage(), self._part(), self._where(), counted, host)
         return out
+
+
+def _fusible(node: fx.Node) -> bool:
+    target = node.target
+    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+        torch.Tag.pointwise in target.tags or target.overloadpacket in _FUSED_KERNELS or is_view_op(target))
+
+
+def _fused(node: fx.Node) -> bool:
+    """Whether Inductor would compute ``node``'s value inside the kernels that read it: made by a pointwise op (or
+    one of :data:`_FUSED_KERNELS`), read only by such ops and views of it read so, and not an output of its graph."""
+    if not _fusible(node) or is_view_op(node.target):
+        return False
+    frontier = list(node.users)
+    while frontier:
+        user = frontier.pop()
+        if user.op == "output" or not _fusible(user):
+            return False
+        if is_view_op(user.target):
+            frontier.extend(user.users)
+    return True
+
+
+def _reinplaced(node: fx.Node, func: Any) -> bool:
+    """Whether Inductor writes this scatter-like op's result into its input (its reinplacing pass): the input is an
+    intermediate of the graph read by nothing else."""
+    source = node.args[0] if node.args else None
+    return (getattr(func, "overloadpacket", None) in _SCATTERS and isinstance(source, fx.Node)
+            and source.op == "call_function" and len(source.users) == 1)
 
 
 class _Walk(fx.Interpreter):
@@ -206,13 +280,15 @@ def estimate(
     backend_options: dict[str, Any] | None = None,
     optimizer: Callable[[Any], torch.optim.Optimizer] = functools.partial(torch.optim.AdamW, foreach=True),
     loss: Callable[[Any], torch.Tensor] = lambda out: out,
+    fusion: bool = True,
 ) -> MemoryEstimate:
     """Rank 0's peak memory in a training step of ``build()``'s model sharded over ``world_size`` ranks.
 
     ``build()`` is called under ``torch.device("meta")``; ``step_inputs()`` (called inside the fake mode: make its
     tensors there, any values) gives one step's arguments, ``loss(model(*step_inputs()))`` the loss; ``units``,
     ``shard_options`` (``shard()``'s others: ``mp``, ``reshard_after_forward``, ``offload_policy``...) and
-    ``backend_options`` (``fsdp_compile.backend``'s; the graphs run as aot_eager runs them) as for training."""
+    ``backend_options`` (``fsdp_compile.backend``'s; the graphs run as aot_eager runs them) as for training.
+    ``fusion``: leave out what Inductor's fusions never store (False: count the graphs as aot_eager runs them)."""
     with _fake_group(world_size):
         with torch.device("meta"):
             model = build()
@@ -221,7 +297,7 @@ def estimate(
         with mode, slots.fake_slabs(mode):
             model.to_empty(device="cpu")
             return count_step(model, optimizer(model.parameters()), step_inputs, backend_options=backend_options,
-                              loss=loss)
+                              loss=loss, fusion=fusion)
 
 
 def count_step(
@@ -231,50 +307,56 @@ def count_step(
     *,
     backend_options: dict[str, Any] | None = None,
     loss: Callable[[Any], torch.Tensor] = lambda out: out,
+    fusion: bool = False,
 ) -> MemoryEstimate:
     """Compile ``model`` (sharded) with the backend under aot_eager, run two steps and count the second's memory.
     ``estimate`` runs it on fake tensors; on real ranks it counts what the step holds."""
     config = BackendConfig(**{**(backend_options or {}), "compiler": "aot_eager"})
-    counter = _LiveBytes()
+    counter = _LiveBytes(fusion)
+    offloaded = any(unit.offload_to is not None for unit in sharded_units(model))
     compiled = torch.compile(model, backend=functools.partial(_backend._compile, config=config,
                                                               runner=_runner(counter)))
     for step in range(2):  # the first compiles; by the second the optimizer's states exist
         if step:
-            _count_persistent(counter, model, opt)
+            _count_persistent(counter, model, opt, offloaded)
             counter.on = True
         loss(compiled(*step_inputs())).backward()
         grads = _storages(p.grad for p in model.parameters())
         for block in counter.live.values():
             block.part = "gradients" if block.key in grads else block.part
-        counter.stage, counter.node = "optimizer", None
+        counter.stage, counter.node, counter.host_stage = "optimizer", None, offloaded
         with counter if step else contextlib.nullcontext():
             opt.step()
+        counter.host_stage = False
         opt.zero_grad(set_to_none=True)
     counter.on = False
     parts = dict.fromkeys(PARTS, 0)
     peak_stage = counter.peak_where.split(" ")[0]
-    for block in counter.at_peak:
+    for block in (block for block in counter.at_peak if not block.host):
         part = block.part
         if part == "activations and temporaries" and peak_stage == "backward" and block.where.startswith("forward"):
             part = "saved for backward"
         parts[part] += block.nbytes
     return MemoryEstimate(world_size=dist.get_world_size(), peak=counter.peak, parts=parts, at=counter.peak_where,
-                          steady=counter.now)
+                          steady=counter.now, host_peak=counter.host_peak)
 
 
-def _count_persistent(counter: _LiveBytes, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+def _count_persistent(counter: _LiveBytes, model: nn.Module, opt: torch.optim.Optimizer, offloaded: bool) -> None:
     """What lives before the measured step: the units' shards (and their gradient accumulators, sync off), the other
-    parameters and buffers, the optimizer's states and the slots' slabs (a slot is a view of its slab)."""
+    parameters and buffers, the optimizer's states (under CPU offload the shards and states on the host) and the
+    slots' slabs (a slot is a view of its slab)."""
     units = sharded_units(model)
+    host = {u.flat.untyped_storage()._cdata for u in units if u.offload_to is not None}
     for tensor in (*model.parameters(), *model.buffers(), *(u.flat for u in units)):
-        counter.add(tensor.untyped_storage(), "parameters", "before the step")
+        storage = tensor.untyped_storage()
+        counter.add(storage, "parameters", "before the step", host=storage._cdata in host)
     for unit in units:
         if unit.accum is not None:
             counter.add(unit.accum.untyped_storage(), "gradients", "before the step")
     for state in opt.state.values():
         for tensor in state.values():
             if isinstance(tensor, torch.Tensor):
-                counter.add(tensor.untyped_storage(), "optimizer states", "before the step")
+                counter.add(tensor.untyped_storage(), "optimizer states", "before the step", host=offloaded)
     for slab in slots.every_slab():
         counter.add(slab.memory.untyped_storage(), "communication slots", "before the step")
         for view in slab.slots.values():

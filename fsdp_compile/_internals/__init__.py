@@ -44,7 +44,7 @@ __all__ = [
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_ranks", "group_store",
     "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
-    "list_mode_options", "make_boxed_func", "mark_static", "outside_fake_mode", "outside_graph_pools", "tree_leaves",
+    "list_mode_options", "make_boxed_func", "mark_static", "outside_fake_mode", "outside_graph_pools", "tree_leaves", "inductor_decompositions",
     "placeholder_source", "run_by_python", "running_backward",
     "min_cut_rematerialization_partition", "no_donated_buffers", "no_torch_function_subclass", "register_work", "run_observed",
     "set_optimizer_state_dict", "sharded_tensor", "trace_log", "trace_structured",
@@ -108,6 +108,8 @@ outside_fake_mode: Callable[[], Any] = _need("torch._subclasses.fake_tensor", "u
 FakeTensorMode: type = _need("torch._subclasses.fake_tensor", "FakeTensorMode")
 TorchDispatchMode: type = _need("torch.utils._python_dispatch", "TorchDispatchMode")
 tree_leaves: Callable[[Any], list[Any]] = _need("torch.utils._pytree", "tree_leaves")
+inductor_decompositions: Callable[[], dict[Any, Any]] = _need("torch._inductor.decomposition", "select_decomp_table")
+"""The decompositions Inductor has AOTAutograd apply: the graphs it lowers."""
 
 
 def fake_store() -> Any:
