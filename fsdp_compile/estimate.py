@@ -28,6 +28,7 @@ from torch import nn
 from fsdp_compile import _backend
 from fsdp_compile._internals import (
     FakeTensorMode,
+    OpOverload,
     TorchDispatchMode,
     c10d_functional,
     fake_store,
@@ -186,7 +187,7 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
 
 def _fusible(node: fx.Node) -> bool:
     target = node.target
-    return node.op == "call_function" and isinstance(target, torch._ops.OpOverload) and (
+    return node.op == "call_function" and isinstance(target, OpOverload) and (
         torch.Tag.pointwise in target.tags or target.overloadpacket in _FUSED_KERNELS or is_view_op(target))
 
 

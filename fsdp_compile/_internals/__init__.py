@@ -40,7 +40,7 @@ import torch.fx as fx
 
 __all__ = [
     "BODY_DONATION_HOOK", "BackendCompilerFailed", "bodies_donate_nothing", "body_schemas_once", "COMPILE_AFRESH", "INVOKE_SUBGRAPH", "compile_region", "dynamo_reset", "frame_callback", "is_region_break", "set_frame_callback", "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
-    "FakeTensorMode", "TorchDispatchMode", "aot_autograd", "c10d_functional", "fake_store", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
+    "FakeTensorMode", "OpOverload", "TorchDispatchMode", "aot_autograd", "c10d_functional", "fake_store", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_ranks", "group_store",
     "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
@@ -102,7 +102,7 @@ _get_hash_for_files: Callable[..., bytes] = _need("torch._inductor.custom_graph_
 trace_structured: Callable[..., None] = _need("torch._logging", "trace_structured")
 trace_log: Any = _need("torch._logging._internal", "trace_log")
 """The structured-trace logger (TORCH_TRACE's): a handler on it receives every structured record."""
-_OpOverload: type = _need("torch._ops", "OpOverload")
+OpOverload: type = _need("torch._ops", "OpOverload")
 outside_fake_mode: Callable[[], Any] = _need("torch._subclasses.fake_tensor", "unset_fake_temporarily")
 """Context manager: real tensors, even inside a compile (whose passes run under a FakeTensorMode)."""
 FakeTensorMode: type = _need("torch._subclasses.fake_tensor", "FakeTensorMode")
@@ -395,7 +395,7 @@ def no_torch_function_subclass() -> Any:
 
 def is_view_op(target: object) -> bool:
     """Whether an FX node's target is an aten op whose result aliases its input."""
-    return isinstance(target, _OpOverload) and target.is_view
+    return isinstance(target, OpOverload) and target.is_view
 
 
 def placeholder_source(node: fx.Node) -> str:
