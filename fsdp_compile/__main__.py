@@ -29,6 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command.add_argument("--seq", type=int, help="the longest sequence (default: --tokens); more tokens go to the batch")
     command.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
                          help="MixedPrecision(param_dtype=...), gradients reduced in float32")
+    command.add_argument("--offload", action="store_true", help="CPU offload (shard(offload_policy=CPUOffloadPolicy()))")
     command.add_argument("--json", action="store_true", help="the estimate as JSON")
     args = parser.parse_args(argv)
     if args.command == "estimate":
@@ -86,8 +87,12 @@ def _estimate(args: argparse.Namespace) -> int:
         tokens = torch.zeros(args.tokens // seq, seq + 1, dtype=torch.long)
         return tokens[:, :-1], tokens[:, 1:]
 
-    result = estimate(build, inputs, world_size=args.world_size, units=units,
-                      shard_options={"mp": MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)})
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    options: dict[str, object] = {"mp": MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)}
+    if args.offload:
+        options["offload_policy"] = CPUOffloadPolicy()
+    result = estimate(build, inputs, world_size=args.world_size, units=units, shard_options=options)
     print(result.to_json() if args.json else result.table())
     return 0
 

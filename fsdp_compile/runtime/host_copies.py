@@ -179,7 +179,8 @@ def copy_to_host(tensor: torch.Tensor) -> torch.Tensor:
 def wait_for(tensor: torch.Tensor) -> None:
     """Block until the copy that made ``tensor`` (or the tensor it is a view of) is done; at once if none is
     pending."""
-    _wait_for_key(_key(tensor))
+    if _pending:  # (else no address is read: a fake tensor's, under fsdp_compile.estimate, has none)
+        _wait_for_key(_key(tensor))
 
 
 def _wait_for_key(key: int) -> None:
