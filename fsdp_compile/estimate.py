@@ -126,6 +126,8 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
         self.peak_where = ""
         self.stage = "outside"
         self.node: fx.Node | None = None
+        self.forward_graphs = 0
+        """Forward graphs compiled: more than one, the model's forward broke Dynamo's graph."""
         self.on = False
         """Counting (the measured step); Dynamo runs no compiled code under a dispatch mode, so the mode is entered
         inside each graph's run and around the optimizer's step, not around the model's call."""
@@ -239,6 +241,8 @@ class _Walk(fx.Interpreter):
 
 def _runner(counter: _LiveBytes) -> _backend.GraphRunner:
     def run(stage: str, gm: fx.GraphModule) -> Callable[[list[Any]], Any]:
+        counter.forward_graphs += stage == "forward"
+
         def boxed(args: list[Any]) -> Any:
             with counter if counter.on else contextlib.nullcontext():
                 return _Walk(gm, stage, counter).boxed_run(args)
@@ -322,6 +326,11 @@ def count_step(
             _count_persistent(counter, model, opt, offloaded)
             counter.on = True
         loss(compiled(*step_inputs())).backward()
+        if counter.forward_graphs > 1:
+            raise ValueError(
+                f"the model's forward compiled as {counter.forward_graphs} graphs (Dynamo broke it): what runs between "
+                "them is not in any graph, so the estimate cannot count it. Find the breaks with "
+                "torch._dynamo.explain(model)(*inputs) (or TORCH_LOGS=graph_breaks) and remove them, then estimate")
         grads = _storages(p.grad for p in model.parameters())
         for block in counter.live.values():
             block.part = "gradients" if block.key in grads else block.part

@@ -45,3 +45,18 @@ def test_the_estimate_equals_what_two_gloo_ranks_hold_and_moves_with_checkpointi
     assert checkpointed.parts["saved for backward"] < saved.parts["saved for backward"], (saved, checkpointed)
     assert checkpointed.peak < saved.peak and saved.at.startswith("backward"), (saved, checkpointed)
     assert saved.parts["parameters"] == checkpointed.parts["parameters"] > 0
+
+
+class _Breaking(Llama):
+    """The loss computed after a graph break."""
+
+    def forward(self, tokens: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = super().forward(tokens)
+        torch._dynamo.graph_break()
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def test_a_forward_that_breaks_the_graph_is_refused_saying_how_to_find_the_break() -> None:
+    with pytest.raises(ValueError, match=r"compiled as 2 graphs .*torch._dynamo.explain"):
+        estimate(lambda: _Breaking(LLAMA_TESTS), _tokens, world_size=4, units=[Block])
+    assert not dist.is_initialized()
