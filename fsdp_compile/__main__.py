@@ -6,12 +6,15 @@ fsdp_compile estimate MODULE:FUNCTION --world-size N --tokens T``: one step's pe
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from fsdp_compile import explain
 from fsdp_compile._pictures import read_trace
+from fsdp_compile._step_time import CARDS
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -30,6 +33,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     command.add_argument("--param-dtype", choices=("float32", "bfloat16"), default="float32",
                          help="MixedPrecision(param_dtype=...), gradients reduced in float32")
     command.add_argument("--offload", action="store_true", help="CPU offload (shard(offload_policy=CPUOffloadPolicy()))")
+    command.add_argument("--checkpoint", action="store_true",
+                         help="recompute each unit in backward (torch's checkpoint_wrapper around each, as FSDP2 and "
+                         "torchtitan users apply it)")
+    command.add_argument("--card", choices=CARDS, help="also the step's time on this card (docs/scaling.md's model)")
+    command.add_argument("--fwd-bwd-ms", type=float,
+                         help="also the step's time, from this measured local forward+backward (no communication)")
+    command.add_argument("--gpus-per-node", type=int, default=8)
+    command.add_argument("--inter-node-gbps", type=float,
+                         help="each GPU's network bandwidth across nodes, GB/s (needed past one node)")
     command.add_argument("--json", action="store_true", help="the estimate as JSON")
     args = parser.parse_args(argv)
     if args.command == "estimate":
@@ -64,7 +76,7 @@ def _estimate(args: argparse.Namespace) -> int:
     import torch
 
     from fsdp_compile import MixedPrecision
-    from fsdp_compile.estimate import estimate
+    from fsdp_compile.estimate import Hardware, estimate
 
     module_name, _, function = args.model.partition(":")
     try:
@@ -92,9 +104,31 @@ def _estimate(args: argparse.Namespace) -> int:
     options: dict[str, object] = {"mp": MixedPrecision(param_dtype=dtype, reduce_dtype=torch.float32)}
     if args.offload:
         options["offload_policy"] = CPUOffloadPolicy()
-    result = estimate(build, inputs, world_size=args.world_size, units=units, shard_options=options)
+    hardware = None
+    if args.card or args.fwd_bwd_ms is not None:
+        hardware = Hardware(card=args.card or "H100", fwd_bwd_ms=args.fwd_bwd_ms, gpus_per_node=args.gpus_per_node,
+                            inter_node_gbps=args.inter_node_gbps)
+    model = functools.partial(_checkpointed, build, units[0]) if args.checkpoint else build
+    try:
+        result = estimate(model, inputs, world_size=args.world_size, units=units, shard_options=options,
+                          hardware=hardware)
+    except ValueError as e:
+        print(f"fsdp_compile estimate: {e}", file=sys.stderr)
+        return 2
     print(result.to_json() if args.json else result.table())
     return 0
+
+
+def _checkpointed(build: Callable[[], Any], unit: type) -> Any:
+    """``build()``'s model with each ``unit`` module wrapped in torch's ``checkpoint_wrapper``."""
+    from fsdp_compile._internals import checkpoint_wrapper
+
+    model = build()
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, unit):
+                setattr(parent, name, checkpoint_wrapper(child))
+    return model
 
 
 def _modules(build: object) -> list[object]:

@@ -11,10 +11,12 @@ out (Inductor's fusions keep some temporaries of the graphs from ever existing; 
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import functools
 import json
+import re
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -25,7 +27,9 @@ import torch
 import torch.distributed as dist
 import torch.fx as fx
 from torch import nn
-from fsdp_compile import _backend
+from torch.utils.flop_counter import flop_registry
+
+from fsdp_compile import _backend, _step_time
 from fsdp_compile._internals import (
     FakeTensorMode,
     OpOverload,
@@ -41,7 +45,7 @@ from fsdp_compile._unit import sharded_units
 from fsdp_compile.config import BackendConfig
 from fsdp_compile.runtime import slots
 
-__all__ = ["MemoryEstimate", "estimate"]
+__all__ = ["Hardware", "MemoryEstimate", "StepEstimate", "estimate"]
 
 ROUND = 512
 """The CUDA caching allocator rounds every block up to a multiple of 512 bytes."""
@@ -57,9 +61,58 @@ _FUSED_KERNELS = {torch.ops.aten.sum, torch.ops.aten.mean, torch.ops.aten.amax, 
                   torch.ops.aten.embedding}
 """Besides pointwise ops, what Inductor lowers into kernels that fuse with what they read: reductions, and indexed
 loads (gather, index, embedding)."""
+_FLOPS = {**flop_registry,  # the CPU's attention kernels (fake tensors live on the CPU): the flash kernels' counts
+          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
+              flop_registry[torch.ops.aten._scaled_dot_product_flash_attention],
+          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward:
+              flop_registry[torch.ops.aten._scaled_dot_product_flash_attention_backward],
+          torch.ops.fsdp_compile.mm_into:  # a weight's gradient written into the unit's flat gradient
+              lambda a, b, *, out, out_val: 2 * a.shape[0] * a.shape[1] * b.shape[1]}
+"""FLOPs an op does, from its arguments' shapes (torch.utils.flop_counter's formulas: matmuls, convolutions,
+attention)."""
 PARTS = ("parameters", "gradients", "optimizer states", "communication slots", "gathered units",
          "saved for backward", "activations and temporaries", "other")
 """What a live storage at the peak is, in the order ``MemoryEstimate.parts`` lists them."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Hardware:
+    """What the step time is estimated for: a card whose compute rate was measured (``card``), or this model's own
+    measured local forward+backward without communication (``fwd_bwd_ms``, e.g. the benchmark's ``no_comm_bound``
+    on one GPU at the same tokens per GPU); ``inter_node_gbps``: each GPU's network bandwidth across nodes (GB/s),
+    needed where ``world_size`` spans more than ``gpus_per_node``."""
+
+    card: str = "H100"
+    fwd_bwd_ms: float | None = None
+    gpus_per_node: int = 8
+    inter_node_gbps: float | None = None
+
+
+STEP_ERROR = ("within 0-6% of the measured 2- and 4-GPU 0.95B steps at 4096 tokens/GPU given the run's own "
+              "forward+backward (docs/scaling.md); a card's compute rate is measured on the 0.95B and fitted on the "
+              "8.8B (the 8.8B at the 0.95B's rate: +20%); host-bound steps (1024 tokens/GPU: 13-34% low) and "
+              "networks across nodes are not checked")
+"""The step time's stated error."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepEstimate:
+    """One step's time on rank 0 from the step-time model (docs/scaling.md), fed the units' parameters and the
+    FLOPs the compiled step does, counted per unit."""
+
+    step_ms: float
+    fwd_bwd_ms: float
+    """Forward and backward with the communication the compute does not hide."""
+    exposed_ms: float
+    optimizer_ms: float
+    compute_ms: float
+    """Local forward+backward without communication: the step's FLOPs at ``tflops`` (or the measured time)."""
+    tflops: float
+    flops: float
+    """This rank's FLOPs in the step (matmuls and attention, recomputation included)."""
+    basis: str
+    """The card, or "measured"."""
+    error: str = STEP_ERROR
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,6 +129,8 @@ class MemoryEstimate:
     host_peak: int = 0
     """CPU offload: the host memory the step's tensors reach (the shards, the optimizer's states, the gradients copied
     back, the optimizer's temporaries); pinned staging and the process itself not counted."""
+    step: StepEstimate | None = None
+    """The step's time, where ``estimate(hardware=...)`` asked for it."""
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self))
@@ -86,6 +141,12 @@ class MemoryEstimate:
         rows.append(f"  {'(between steps)':<28} {_gib(self.steady):>12}")
         if self.host_peak:
             rows.append(f"host (CPU offload): peak {_gib(self.host_peak)}")
+        if self.step is not None:
+            step = self.step
+            rows.append(f"step {step.step_ms:.1f} ms ({step.basis}: {step.flops / 1e12:.2f} TFLOP at "
+                        f"{step.tflops:.0f} TFLOP/s = {step.compute_ms:.1f} ms of compute, {step.exposed_ms:.1f} ms of "
+                        f"communication exposed, AdamW {step.optimizer_ms:.1f} ms)")
+            rows.append(f"  error: {step.error}")
         return "\n".join(rows)
 
 
@@ -128,6 +189,12 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
         self.node: fx.Node | None = None
         self.forward_graphs = 0
         """Forward graphs compiled: more than one, the model's forward broke Dynamo's graph."""
+        self.caller: fx.Node | None = None
+        """The call of the shared body that runs now (its nodes name the body's first caller's modules)."""
+        self.flops: collections.Counter[tuple[str, str]] = collections.Counter()
+        """(forward or backward, module path) -> FLOPs (``_FLOPS``) in the measured step."""
+        self.modules: dict[str, None] = {}
+        """The module paths the forward ran, in the order it first ran each."""
         self.on = False
         """Counting (the measured step); Dynamo runs no compiled code under a dispatch mode, so the mode is entered
         inside each graph's run and around the optimizer's step, not around the model's call."""
@@ -169,8 +236,20 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
             return "gathered units"
         return "activations and temporaries" if self.stage.startswith(("forward", "backward")) else "other"
 
+    def _count_flops(self, func: Any, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+        stage = self.stage.split(" ")[0]
+        if self.node is None or stage not in ("forward", "backward"):
+            return
+        path = _module_path(self.caller or self.node)
+        if stage == "forward":
+            self.modules.setdefault(path)
+        formula = _FLOPS.get(getattr(func, "overloadpacket", None))
+        if formula is not None:
+            self.flops[stage, path] += formula(*args, **kwargs, out_val=out)
+
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self._count_flops(func, args, kwargs or {}, out)
         if func is _WAIT:  # a fake wait returns a new tensor; a real one its input
             return args[0]
         if func is _SLOT:  # a view of its slab (counted before the step), made a storage of its own
@@ -185,6 +264,16 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
             if isinstance(value, torch.Tensor):
                 self.add(value.untyped_storage(), self._part(), self._where(), counted, host)
         return out
+
+
+def _module_path(node: fx.Node) -> str:
+    """The module a node of the compiled step runs in (its forward's, for a backward node), as a dotted path from
+    the compiled module ("" for it): Dynamo's ``nn_module_stack``."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = re.sub(r"^\w+\[['\"][^'\"]*['\"]\]", "", str(next(reversed(stack.values()))[0]))  # L['self']
+    return re.sub(r"\._modules\[['\"]([^'\"]*)['\"]\]|\[['\"]?([^'\"\]]*)['\"]?\]", r".\1\2", path).lstrip(".")
 
 
 def _fusible(node: fx.Node) -> bool:
@@ -235,7 +324,11 @@ class _Walk(fx.Interpreter):
         if target is _INVOKE_SUBGRAPH:
             body, _, *operands = args
             caller = self.counter.node
-            return tuple(_Walk(body, f"{self.stage} graph, {caller.name}'s body:", self.counter).run(*operands))
+            self.counter.caller = caller
+            try:
+                return tuple(_Walk(body, f"{self.stage} graph, {caller.name}'s body:", self.counter).run(*operands))
+            finally:
+                self.counter.caller = None
         return super().call_function(target, args, kwargs)
 
 
@@ -286,6 +379,7 @@ def estimate(
     optimizer: Callable[[Any], torch.optim.Optimizer] = functools.partial(torch.optim.AdamW, foreach=True),
     loss: Callable[[Any], torch.Tensor] = lambda out: out,
     fusion: bool = True,
+    hardware: Hardware | None = None,
 ) -> MemoryEstimate:
     """Rank 0's peak memory in a training step of ``build()``'s model sharded over ``world_size`` ranks.
 
@@ -293,7 +387,9 @@ def estimate(
     tensors there, any values) gives one step's arguments, ``loss(model(*step_inputs()))`` the loss; ``units``,
     ``shard_options`` (``shard()``'s others: ``mp``, ``reshard_after_forward``, ``offload_policy``...) and
     ``backend_options`` (``fsdp_compile.backend``'s; the graphs run as aot_eager runs them) as for training.
-    ``fusion``: leave out what Inductor's fusions never store (False: count the graphs as aot_eager runs them)."""
+    ``fusion``: leave out what Inductor's fusions never store (False: count the graphs as aot_eager runs them).
+    ``hardware``: estimate the step's time too (:class:`StepEstimate`), on that card or from a measured
+    forward+backward."""
     with _fake_group(world_size):
         with torch.device("meta"):
             model = build()
@@ -302,7 +398,7 @@ def estimate(
         with mode, slots.fake_slabs(mode):
             model.to_empty(device="cpu")
             return count_step(model, optimizer(model.parameters()), step_inputs, backend_options=backend_options,
-                              loss=loss, fusion=fusion)
+                              loss=loss, fusion=fusion, hardware=hardware)
 
 
 def count_step(
@@ -313,12 +409,15 @@ def count_step(
     backend_options: dict[str, Any] | None = None,
     loss: Callable[[Any], torch.Tensor] = lambda out: out,
     fusion: bool = False,
+    hardware: Hardware | None = None,
 ) -> MemoryEstimate:
     """Compile ``model`` (sharded) with the backend under aot_eager, run two steps and count the second's memory.
     ``estimate`` runs it on fake tensors; on real ranks it counts what the step holds."""
     config = BackendConfig(**{**(backend_options or {}), "compiler": "aot_eager"})
     counter = _LiveBytes(fusion)
     offloaded = any(unit.offload_to is not None for unit in sharded_units(model))
+    if hardware is not None:
+        _check_hardware(hardware, offloaded)
     compiled = torch.compile(model, backend=functools.partial(_backend._compile, config=config,
                                                               runner=_runner(counter)))
     for step in range(2):  # the first compiles; by the second the optimizer's states exist
@@ -348,7 +447,68 @@ def count_step(
             part = "saved for backward"
         parts[part] += block.nbytes
     return MemoryEstimate(world_size=dist.get_world_size(), peak=counter.peak, parts=parts, at=counter.peak_where,
-                          steady=counter.now, host_peak=counter.host_peak)
+                          steady=counter.now, host_peak=counter.host_peak,
+                          step=None if hardware is None else _step_time_of(counter, model, hardware, config))
+
+
+def _check_hardware(hardware: Hardware, offloaded: bool) -> None:
+    """Refuse, before compiling, a step time the model cannot give."""
+    if offloaded:
+        raise ValueError("estimate(hardware=...): a CPU-offloaded step's time is the host's (the optimizer steps on "
+                         "the CPU, the copies cross PCIe), which the step-time model does not know: estimate the "
+                         "memory alone (no hardware=), and time the step with benchmarks/train_bench.py --offload")
+    if hardware.fwd_bwd_ms is None and hardware.card not in _step_time.CARDS:
+        raise ValueError(f"estimate(hardware=Hardware(card={hardware.card!r})): no compute rate measured for that "
+                         f"card; name one of {_step_time.CARDS}, or pass fwd_bwd_ms= measured on it")
+    if dist.get_world_size() > hardware.gpus_per_node and hardware.inter_node_gbps is None:
+        raise ValueError(f"estimate(hardware=...): {dist.get_world_size()} ranks span nodes of "
+                         f"{hardware.gpus_per_node} GPUs; pass inter_node_gbps= (each GPU's network bandwidth in GB/s: "
+                         "50 for a 400 Gb/s NIC per GPU)")
+
+
+def _step_time_of(counter: _LiveBytes, model: nn.Module, hardware: Hardware, config: BackendConfig) -> StepEstimate:
+    """The step-time model fed this step: the units in the order the forward first runs them, each with its
+    parameters, its gathered dtype and the FLOPs counted in its modules (forward, backward, recomputation); the
+    contention of the routes the step takes within a node (the copy engines', unless NCCL is asked for)."""
+    states: dict[str, list[Any]] = {"": []}
+    for state in sharded_units(model):
+        states.setdefault(state.layout.fqn, []).append(state)
+
+    def unit_of(path: str) -> str:
+        return max((fqn for fqn in states if fqn == "" or path == fqn or path.startswith(fqn + ".")), key=len)
+
+    flops: collections.Counter[str] = collections.Counter()
+    for (_, path), count in counter.flops.items():
+        flops[unit_of(path)] += count
+    forward = sum(count for (stage, _), count in counter.flops.items() if stage == "forward")
+    total = sum(flops.values())
+    if not total:
+        raise ValueError("estimate(hardware=...): the step does no matmul or attention that the FLOP count knows "
+                         "(torch.utils.flop_counter), so its compute time is unknown")
+    order = dict.fromkeys([*(unit_of(path) for path in counter.modules), *states])
+    units = []
+    for fqn in order:
+        parts = states[fqn]
+        params = sum(state.layout.padded_numel for state in parts)
+        nbytes = sum(state.layout.padded_numel * state.param_dtype.itemsize for state in parts)
+        units.append(_step_time.Unit(
+            params, flops[fqn], nbytes / params if params else _step_time.BF16,
+            sum(state.layout.padded_numel for state in parts if state.flat.requires_grad)))
+    if hardware.fwd_bwd_ms is not None:
+        compute_ms, basis = hardware.fwd_bwd_ms, "measured"
+    else:
+        blocks = [unit.params for fqn, unit in zip(order, units) if fqn] or [unit.params for unit in units]
+        float32 = all(state.param_dtype == torch.float32 for parts in states.values() for state in parts)
+        compute_ms = total / _step_time.compute_rate(hardware.card, max(blocks), float32) * 1e3
+        basis = hardware.card
+    topology = _step_time.Topology(dist.get_world_size(), "fsdp", hardware.gpus_per_node)
+    network = _step_time.Network(hardware.inter_node_gbps or 0.0)
+    copy_engines = topology.nodes == 1 and config.all_gather != "nccl" and config.grad_reduce != "nccl"
+    contention = _step_time.COPY_ENGINE_CONTENTION if copy_engines else _step_time.CONTENTION
+    time = _step_time.predict(units, topology, network, compute_ms, forward / total, contention, hardware.card)
+    return StepEstimate(step_ms=time.step_ms, fwd_bwd_ms=time.fwd_bwd_ms, exposed_ms=time.exposed_ms,
+                        optimizer_ms=time.optimizer_ms, compute_ms=compute_ms, tflops=total / compute_ms / 1e9,
+                        flops=total, basis=basis)
 
 
 def _count_persistent(counter: _LiveBytes, model: nn.Module, opt: torch.optim.Optimizer, offloaded: bool) -> None:

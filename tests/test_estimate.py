@@ -1,7 +1,8 @@
 """``fsdp_compile.estimate``: one step's memory predicted on fake tensors, for a world size this process does not
 have, equals what the step holds on real ranks (live tensor bytes counted on 2 gloo ranks, the same graphs, Inductor's
-fusions not modelled on either side), and moves as the measurement moves when checkpointing changes what is saved.
-(Against the GPU's allocator, with the fusions modelled: docs/big-models.md, "Before launch".)"""
+fusions not modelled on either side), and moves as the measurement moves when checkpointing changes what is saved;
+the step time's FLOPs are the model's, recomputation included. (Against the GPU's allocator, with the fusions
+modelled, and the step time against measured steps: docs/big-models.md, "Before launch".)"""
 
 from __future__ import annotations
 
@@ -12,11 +13,27 @@ import torch
 import torch.distributed as dist
 
 import fsdp_compile
-from fsdp_compile.estimate import count_step, estimate
+from torch.distributed.fsdp import CPUOffloadPolicy
+
+from fsdp_compile.estimate import Hardware, count_step, estimate
 from fsdp_compile.testing.dist import run_ranks
 from fsdp_compile.testing.llama import LLAMA_TESTS, Block, Llama
 
 CONFIGS = {"saved": LLAMA_TESTS, "checkpointed": dataclasses.replace(LLAMA_TESTS, checkpoint_blocks=True)}
+HARDWARE = {"saved": Hardware(card="H100"), "checkpointed": Hardware(fwd_bwd_ms=5.0)}
+TOKENS = 2 * 8
+"""A rank's tokens in a step (``_tokens``)."""
+
+
+def _flops(cfg: fsdp_compile.testing.llama.LlamaConfig) -> tuple[int, int]:
+    """A step's FLOPs on one rank as torch.utils.flop_counter counts them, and the blocks' forward's: each matmul
+    weight 2 FLOPs a token forward and 4 backward (input and weight gradients; the output projection's too: its weight
+    is the tied embedding), each block's attention 4 x seq x head dim a token and head forward, 2.5 times that
+    backward."""
+    block = 4 * cfg.dim * cfg.dim + 3 * cfg.dim * cfg.ffn_dim
+    attention = 4 * TOKENS * 8 * cfg.dim  # 4 x tokens x seq x (heads x head dim)
+    step = 6 * TOKENS * (cfg.n_layers * block + cfg.vocab_size * cfg.dim) + cfg.n_layers * 3.5 * attention
+    return int(step), cfg.n_layers * (2 * TOKENS * block + attention)
 
 
 def _tokens() -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,13 +55,22 @@ def _measure(rank: int, world_size: int, predicted: dict[str, int]) -> None:
 
 @pytest.mark.ranks
 def test_the_estimate_equals_what_two_gloo_ranks_hold_and_moves_with_checkpointing() -> None:
-    predicted = {name: estimate(lambda cfg=cfg: Llama(cfg), _tokens, world_size=2, units=[Block], fusion=False)
-                 for name, cfg in CONFIGS.items()}
+    predicted = {name: estimate(lambda cfg=cfg: Llama(cfg), _tokens, world_size=2, units=[Block], fusion=False,
+                                hardware=HARDWARE[name]) for name, cfg in CONFIGS.items()}
     run_ranks(_measure, 2, {name: e.peak for name, e in predicted.items()})
     saved, checkpointed = predicted["saved"], predicted["checkpointed"]
     assert checkpointed.parts["saved for backward"] < saved.parts["saved for backward"], (saved, checkpointed)
     assert checkpointed.peak < saved.peak and saved.at.startswith("backward"), (saved, checkpointed)
     assert saved.parts["parameters"] == checkpointed.parts["parameters"] > 0
+    # The step time: fed the FLOPs the step does (the recomputation counted), on the card or from the time given.
+    assert saved.step and checkpointed.step, predicted
+    # Checkpointed, the blocks' forward again, less what backward does not read (the partitioner's choice: on this
+    # model one block's last two matmuls).
+    step, forward_blocks = _flops(LLAMA_TESTS)
+    assert saved.step.flops == step < checkpointed.step.flops <= step + forward_blocks, (saved.step, checkpointed.step)
+    assert saved.step.basis == "H100" and saved.step.step_ms > saved.step.compute_ms > 0, saved.step
+    assert checkpointed.step.basis == "measured" and checkpointed.step.compute_ms == 5.0, checkpointed.step
+    assert checkpointed.step.step_ms > checkpointed.step.fwd_bwd_ms >= 5.0, checkpointed.step
 
 
 class _Breaking(Llama):
@@ -56,7 +82,14 @@ class _Breaking(Llama):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def test_a_forward_that_breaks_the_graph_is_refused_saying_how_to_find_the_break() -> None:
+def test_what_the_estimate_cannot_know_is_refused_saying_what_to_pass() -> None:
     with pytest.raises(ValueError, match=r"compiled as 2 graphs .*torch._dynamo.explain"):
         estimate(lambda: _Breaking(LLAMA_TESTS), _tokens, world_size=4, units=[Block])
+    with pytest.raises(ValueError, match=r"CPU-offloaded step's time is the host's.*no hardware="):
+        estimate(lambda: Llama(LLAMA_TESTS), _tokens, world_size=2, units=[Block], hardware=Hardware(),
+                 shard_options={"offload_policy": CPUOffloadPolicy(pin_memory=False)})
+    with pytest.raises(ValueError, match=r"16 ranks span nodes of 8 GPUs; pass inter_node_gbps="):
+        estimate(lambda: Llama(LLAMA_TESTS), _tokens, world_size=16, units=[Block], hardware=Hardware())
+    with pytest.raises(ValueError, match=r"no compute rate measured for that card; name one of \('H100', 'H200'\)"):
+        estimate(lambda: Llama(LLAMA_TESTS), _tokens, world_size=2, units=[Block], hardware=Hardware(card="A100"))
     assert not dist.is_initialized()

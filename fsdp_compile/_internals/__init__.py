@@ -40,7 +40,7 @@ import torch.fx as fx
 
 __all__ = [
     "BODY_DONATION_HOOK", "BackendCompilerFailed", "bodies_donate_nothing", "body_schemas_once", "COMPILE_AFRESH", "INVOKE_SUBGRAPH", "compile_region", "dynamo_reset", "frame_callback", "is_region_break", "set_frame_callback", "CustomGraphPass", "MissingTorchFeature", "OptimizedModule", "Shard", "ShardMetadata", "PassPipeline",
-    "FakeTensorMode", "OpOverload", "TorchDispatchMode", "aot_autograd", "c10d_functional", "fake_store", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
+    "FakeTensorMode", "OpOverload", "checkpoint_wrapper", "TorchDispatchMode", "aot_autograd", "c10d_functional", "fake_store", "compile_fx", "compile_fx_inner", "counters", "current_compile_id",
     "hash_sources", "flat_optimizer_state", "gloo_one_worker_thread", "group_named", "group_ranks", "group_store",
     "group_timeout",
     "get_optimizer_state_dict", "inductor_config", "is_backward_compile", "is_sharded_tensor", "is_view_op",
@@ -95,6 +95,10 @@ same: ``force_disable_caches`` would also point that at a fresh folder and compi
 a C++ kernel on a 2-core CPU)."""
 list_mode_options: Callable[..., dict[str, Any]] = _need("torch._inductor", "list_mode_options")
 """``torch.compile``'s ``mode=`` -> Inductor settings."""
+checkpoint_wrapper: Callable[..., Any] = _need("torch.distributed.algorithms._checkpoint.checkpoint_wrapper",
+                                               "checkpoint_wrapper")
+"""``checkpoint_wrapper(module)``: the module recomputed in backward (non-reentrant ``torch.utils.checkpoint``), as
+FSDP2 users and torchtitan wrap blocks before sharding."""
 compile_fx: Callable[..., Any] = _need("torch._inductor.compile_fx", "compile_fx")
 compile_fx_inner: Callable[..., Any] = _need("torch._inductor.compile_fx", "compile_fx_inner")
 CustomGraphPass: type = _need("torch._inductor.custom_graph_pass", "CustomGraphPass")
