@@ -255,8 +255,9 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
         if func is _SLOT:  # a view of its slab (counted before the step), made a storage of its own
             self.add(out.untyped_storage(), "communication slots", self._where(), counted=False)
             return out
-        counted = not (self.fusion and self.node is not None and _fused(self.node))
-        if self.fusion and self.node is not None and _reinplaced(self.node, func):  # the output is its input's memory
+        fused = self.fusion and self.node is not None and _fused(self.node)
+        counted = not fused
+        if self.fusion and not fused and self.node is not None and _reinplaced(self.node, func):  # in its input
             self.add(out.untyped_storage(), self._part(), self._where(), counted=False)
             self._inputs_of[out.untyped_storage()._cdata] = args[0]
         host = self.host_stage or func is _COPY_TO_HOST
@@ -279,7 +280,24 @@ def _module_path(node: fx.Node) -> str:
 def _fusible(node: fx.Node) -> bool:
     target = node.target
     return node.op == "call_function" and isinstance(target, OpOverload) and (
-        torch.Tag.pointwise in target.tags or target.overloadpacket in _FUSED_KERNELS or is_view_op(target))
+        torch.Tag.pointwise in target.tags or target.overloadpacket in _FUSED_KERNELS or is_view_op(target)
+        or _constant(node) or _scatter_upon_constant(node))
+
+
+def _constant(node: fx.Node) -> bool:
+    """A tensor of one value (``full``): Inductor computes it where it is read."""
+    return node.target is torch.ops.aten.full.default
+
+
+def _scatter_upon_constant(node: fx.Node) -> bool:
+    """A value scattered into a tensor of one value along a dimension the index has one of (cross-entropy's
+    backward): Inductor's ``optimize_scatter_upon_const_tensor`` makes it pointwise (the index compared with an
+    iota)."""
+    if node.target is not torch.ops.aten.scatter.value:
+        return False
+    source, dim, index = node.args[:3]
+    return (isinstance(source, fx.Node) and _constant(source) and isinstance(index, fx.Node)
+            and index.meta["val"].shape[dim] == 1)
 
 
 def _fused(node: fx.Node) -> bool:
