@@ -300,8 +300,8 @@ def _counted(shape: ModelShape) -> float:
 def compute_rate(card: str, block_params: int, float32: bool = False) -> float:
     """FLOP/s (counted as torch.utils.flop_counter counts) of a model's forward+backward on ``card``: the 0.95B's
     measured rate for blocks of its size (51M parameters) or smaller, the 8.8B's fitted one for blocks of its size
-    (243M) or larger, log-linear between; H200: the H100's scaled by the two cards' 0.95B bounds (the 8.8B was not run on H200s). ``float32``: scaled by
-    the dense float32 peak over the bf16 one."""
+    (243M) or larger, log-linear between; H200: the H100's scaled by the two cards' 0.95B bounds (the 8.8B was not
+    run on H200s). ``float32``: scaled by the dense float32 peak over the bf16 one."""
     if card not in CARDS:
         raise ValueError(f"no compute rate measured for card {card!r}: name one of {CARDS}, or pass the measured "
                          "forward+backward time")

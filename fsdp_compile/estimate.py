@@ -88,10 +88,9 @@ class Hardware:
     inter_node_gbps: float | None = None
 
 
-STEP_ERROR = ("within 0-6% of the measured 2- and 4-GPU 0.95B steps at 4096 tokens/GPU given the run's own "
-              "forward+backward (docs/scaling.md); a card's compute rate is measured on the 0.95B and fitted on the "
-              "8.8B (the 8.8B at the 0.95B's rate: +20%); host-bound steps (1024 tokens/GPU: 13-34% low) and "
-              "networks across nodes are not checked")
+STEP_ERROR = ("+0.6 to +3.3% against the 0.95B's measured steps on 1 H100 and 1, 2, 4 H200s at 4096 tokens/GPU "
+              "(docs/big-models.md); a model's compute rate comes from two (0.95B, 8.8B: the 8.8B at the 0.95B's rate "
+              "was +20%); host-bound steps (~1024 tokens/GPU: 13-34% low) and networks across nodes unchecked")
 """The step time's stated error."""
 
 
@@ -474,14 +473,15 @@ def _check_hardware(hardware: Hardware, offloaded: bool) -> None:
     if offloaded:
         raise ValueError("estimate(hardware=...): a CPU-offloaded step's time is the host's (the optimizer steps on "
                          "the CPU, the copies cross PCIe), which the step-time model does not know: estimate the "
-                         "memory alone (no hardware=), and time the step with benchmarks/train_bench.py --offload")
+                         "memory alone (no hardware=, no --card), and time the step with benchmarks/train_bench.py "
+                         "--system fsdp_compile:offload=1")
     if hardware.fwd_bwd_ms is None and hardware.card not in _step_time.CARDS:
         raise ValueError(f"estimate(hardware=Hardware(card={hardware.card!r})): no compute rate measured for that "
-                         f"card; name one of {_step_time.CARDS}, or pass fwd_bwd_ms= measured on it")
+                         f"card; name one of {_step_time.CARDS}, or pass fwd_bwd_ms= (--fwd-bwd-ms) measured on it")
     if dist.get_world_size() > hardware.gpus_per_node and hardware.inter_node_gbps is None:
         raise ValueError(f"estimate(hardware=...): {dist.get_world_size()} ranks span nodes of "
-                         f"{hardware.gpus_per_node} GPUs; pass inter_node_gbps= (each GPU's network bandwidth in GB/s: "
-                         "50 for a 400 Gb/s NIC per GPU)")
+                         f"{hardware.gpus_per_node} GPUs; pass inter_node_gbps= (--inter-node-gbps): each GPU's "
+                         "network bandwidth in GB/s, 50 for a 400 Gb/s NIC per GPU")
 
 
 def _step_time_of(counter: _LiveBytes, model: nn.Module, hardware: Hardware, config: BackendConfig) -> StepEstimate:
