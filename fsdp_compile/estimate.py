@@ -49,6 +49,11 @@ __all__ = ["Hardware", "MemoryEstimate", "StepEstimate", "estimate"]
 
 ROUND = 512
 """The CUDA caching allocator rounds every block up to a multiple of 512 bytes."""
+
+
+def _pinned(nbytes: int) -> int:
+    """CUDA's pinned host allocator rounds every block up to a power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length()
 _WAIT = c10d_functional.wait_tensor.default
 _SLOT = torch.ops.fsdp_compile.slot.default
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
@@ -127,7 +132,8 @@ class MemoryEstimate:
     steady: int
     host_peak: int = 0
     """CPU offload: the host memory the step's tensors reach (the shards, the optimizer's states, the gradients copied
-    back, the optimizer's temporaries); pinned staging and the process itself not counted."""
+    back, the shards' mirrors in the parameters' dtype, the optimizer's temporaries; pinned blocks rounded up to a
+    power of two, as CUDA's pinned allocator rounds them); the process itself not counted."""
     step: StepEstimate | None = None
     """The step's time, where ``estimate(hardware=...)`` asked for it."""
 
@@ -182,6 +188,10 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
         self.now = self.peak = self.host_now = self.host_peak = 0
         self.host_stage = False
         """What is made now is host memory (CPU offload's optimizer step)."""
+        self.pinned = False
+        """The gradients copied to the host are pinned (``CPUOffloadPolicy(pin_memory=True)``)."""
+        self.mirrors = 0
+        """Host bytes of the offloaded shards' mirrors in their parameters' dtype (made by a host thread, kept)."""
         self.at_peak: list[_Block] = []
         self.peak_where = ""
         self.stage = "outside"
@@ -199,12 +209,14 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
         inside each graph's run and around the optimizer's step, not around the model's call."""
 
     def add(self, storage: torch.UntypedStorage, part: str, where: str, counted: bool = True,
-            host: bool = False) -> None:
-        """Count ``storage`` from now until nothing holds it, on the device (or the host: CPU offload)."""
+            host: bool = False, pinned: bool = False) -> None:
+        """Count ``storage`` from now until nothing holds it, on the device (or the host: CPU offload; ``pinned``,
+        in page-locked memory)."""
         key = storage._cdata
         if key in self.live:
             return
-        block = _Block(key, -(-storage.nbytes() // ROUND) * ROUND if counted else 0, part, where, host)
+        nbytes = _pinned(storage.nbytes()) if pinned else -(-storage.nbytes() // ROUND) * ROUND
+        block = _Block(key, nbytes if counted else 0, part, where, host)
         self.live[key] = block
         weakref.finalize(storage, self._free, key)
         if host:
@@ -262,7 +274,8 @@ class _LiveBytes(TorchDispatchMode):  # type: ignore[misc, valid-type]
         host = self.host_stage or func is _COPY_TO_HOST
         for value in tree_leaves(out):
             if isinstance(value, torch.Tensor):
-                self.add(value.untyped_storage(), self._part(), self._where(), counted, host)
+                self.add(value.untyped_storage(), self._part(), self._where(), counted, host,
+                         pinned=func is _COPY_TO_HOST and self.pinned)
         return out
 
 
@@ -534,10 +547,19 @@ def _count_persistent(counter: _LiveBytes, model: nn.Module, opt: torch.optim.Op
     parameters and buffers, the optimizer's states (under CPU offload the shards and states on the host) and the
     slots' slabs (a slot is a view of its slab)."""
     units = sharded_units(model)
-    host = {u.flat.untyped_storage()._cdata for u in units if u.offload_to is not None}
+    offloaded = [u for u in units if u.offload_to is not None]
+    host = {u.flat.untyped_storage()._cdata: u.pin_memory for u in offloaded}
+    counter.pinned = any(u.pin_memory for u in offloaded)
     for tensor in (*model.parameters(), *model.buffers(), *(u.flat for u in units)):
         storage = tensor.untyped_storage()
-        counter.add(storage, "parameters", "before the step", host=storage._cdata in host)
+        counter.add(storage, "parameters", "before the step", host=storage._cdata in host,
+                    pinned=host.get(storage._cdata, False))
+    for unit in offloaded:  # the mirrors (fsdp_compile.runtime.host_copies), outside any op the step runs
+        if unit.param_dtype.itemsize < unit.flat.element_size():
+            nbytes = unit.flat.numel() * unit.param_dtype.itemsize
+            counter.mirrors += _pinned(nbytes) if unit.pin_memory else nbytes
+    counter.host_now += counter.mirrors
+    counter.host_peak = max(counter.host_peak, counter.host_now)
     for unit in units:
         if unit.accum is not None:
             counter.add(unit.accum.untyped_storage(), "gradients", "before the step")
