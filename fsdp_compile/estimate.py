@@ -455,6 +455,12 @@ def count_step(
             _count_persistent(counter, model, opt, offloaded)
             counter.on = True
         loss(compiled(*step_inputs())).backward()
+        if step and counter.forward_graphs > 1:
+            raise ValueError(
+                "the second step compiled its forward again (Dynamo's guards failed: its inputs' shapes or dtypes "
+                "differ from the first step's, and Dynamo would make them dynamic): the estimate counts one step "
+                "of static shapes. Make step_inputs() give the same shapes at every call (for several sequence "
+                "lengths, estimate each)")
         if counter.forward_graphs > 1:
             raise ValueError(
                 f"the model's forward compiled as {counter.forward_graphs} graphs (Dynamo broke it): what runs between "

@@ -85,6 +85,10 @@ class _Breaking(Llama):
 def test_what_the_estimate_cannot_know_is_refused_saying_what_to_pass() -> None:
     with pytest.raises(ValueError, match=r"compiled as 2 graphs .*torch._dynamo.explain"):
         estimate(lambda: _Breaking(LLAMA_TESTS), _tokens, world_size=4, units=[Block])
+    lengths = iter((8, 6))
+    with pytest.raises(ValueError, match=r"second step compiled its forward again .*same shapes at every call"):
+        estimate(lambda: Llama(LLAMA_TESTS), lambda: (torch.zeros(2, next(lengths), dtype=torch.long),) * 2,
+                 world_size=2, units=[Block])
     with pytest.raises(ValueError, match=r"CPU-offloaded step.s time is the host.s.*no hardware=, no --card"):
         estimate(lambda: Llama(LLAMA_TESTS), _tokens, world_size=2, units=[Block], hardware=Hardware(),
                  shard_options={"offload_policy": CPUOffloadPolicy(pin_memory=False)})
