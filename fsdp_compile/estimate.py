@@ -450,17 +450,24 @@ def count_step(
         _check_hardware(hardware, offloaded)
     compiled = torch.compile(model, backend=functools.partial(_backend._compile, config=config,
                                                               runner=_runner(counter)))
-    for step in range(2):  # the first compiles; by the second the optimizer's states exist
+    steps = (step_inputs(), step_inputs())  # the first compiles; by the second the optimizer's states exist
+    shapes = [[(tuple(t.shape), t.dtype) for t in tree_leaves(inputs) if isinstance(t, torch.Tensor)]
+              for inputs in steps]
+    if shapes[1] != shapes[0]:
+        raise ValueError(
+            f"step_inputs() gave tensors of {shapes[0]}, then of {shapes[1]}: Dynamo would compile again with dynamic "
+            "shapes, and the estimate counts one step of static shapes. Give the same shapes at every call (for "
+            "several sequence lengths, estimate each)")
+    for step, inputs in enumerate(steps):
         if step:
             _count_persistent(counter, model, opt, offloaded)
             counter.on = True
-        loss(compiled(*step_inputs())).backward()
+        loss(compiled(*inputs)).backward()
         if step and counter.forward_graphs > 1:
             raise ValueError(
-                "the second step compiled its forward again (Dynamo's guards failed: its inputs' shapes or dtypes "
-                "differ from the first step's, and Dynamo would make them dynamic): the estimate counts one step "
-                "of static shapes. Make step_inputs() give the same shapes at every call (for several sequence "
-                "lengths, estimate each)")
+                "the second step compiled its forward again (Dynamo's guards failed on something that changed "
+                "between the steps): the estimate counts one step of the graphs the first compiled. Find what "
+                "changed with TORCH_LOGS=recompiles")
         if counter.forward_graphs > 1:
             raise ValueError(
                 f"the model's forward compiled as {counter.forward_graphs} graphs (Dynamo broke it): what runs between "
