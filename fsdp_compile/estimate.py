@@ -63,9 +63,9 @@ _SCATTERS = {getattr(torch.ops.aten, name) for name in (
     "as_strided_scatter", "diagonal_scatter", "index_add")}
 _FUSED_KERNELS = {torch.ops.aten.sum, torch.ops.aten.mean, torch.ops.aten.amax, torch.ops.aten.amin,
                   torch.ops.aten.var_mean, torch.ops.aten.prod, torch.ops.aten.gather, torch.ops.aten.index,
-                  torch.ops.aten.embedding}
-"""Besides pointwise ops, what Inductor lowers into kernels that fuse with what they read: reductions, and indexed
-loads (gather, index, embedding)."""
+                  torch.ops.aten.embedding, torch.ops.aten.slice_scatter, torch.ops.aten.select_scatter}
+"""Besides pointwise ops, what Inductor lowers into kernels that fuse with what they read: reductions, indexed
+loads (gather, index, embedding), and a slice or row written into a tensor (each element from one or the other)."""
 _FLOPS = {**flop_registry,  # the CPU's attention kernels (fake tensors live on the CPU): the flash kernels' counts
           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu:
               flop_registry[torch.ops.aten._scaled_dot_product_flash_attention],
@@ -332,7 +332,7 @@ def _reinplaced(node: fx.Node, func: Any) -> bool:
     intermediate of the graph read by nothing else."""
     source = node.args[0] if node.args else None
     return (getattr(func, "overloadpacket", None) in _SCATTERS and isinstance(source, fx.Node)
-            and source.op == "call_function" and len(source.users) == 1)
+            and source.op == "call_function" and len(source.users) == 1 and not _fused(source))
 
 
 class _Walk(fx.Interpreter):
