@@ -25,7 +25,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command.add_argument("--trace", help="a profiler's Chrome trace (torch.profiler's export_chrome_trace)")
     command = commands.add_parser("estimate", help="one training step's peak memory on rank 0, on fake tensors")
     command.add_argument("model", help="MODULE:FUNCTION, a function of no arguments that returns the model "
-                         "(built on the meta device; its forward takes (inputs, targets) token ids, returns the loss)")
+                         "(built on the meta device; its forward takes (inputs, targets) token ids, returns the loss); "
+                         "or a Hugging Face causal LM's config.json (or its folder): the model built from it, the "
+                         "cross-entropy of its logits the loss")
     command.add_argument("--units", required=True, help="the unit class's name (shard(units=[that class]))")
     command.add_argument("--world-size", type=int, required=True)
     command.add_argument("--tokens", type=int, required=True, help="tokens per rank and step")
@@ -71,19 +73,16 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _estimate(args: argparse.Namespace) -> int:
-    import importlib
-
     import torch
 
     from fsdp_compile import MixedPrecision
     from fsdp_compile.estimate import Hardware, estimate
 
-    module_name, _, function = args.model.partition(":")
     try:
-        build = getattr(importlib.import_module(module_name), function)
-    except (ImportError, AttributeError, ValueError) as e:
-        print(f"fsdp_compile estimate: cannot load {args.model!r} ({e}): give MODULE:FUNCTION, importable from here",
-              file=sys.stderr)
+        build = _builder(args.model)
+    except (ImportError, AttributeError, ValueError, OSError) as e:
+        print(f"fsdp_compile estimate: cannot load {args.model!r} ({e}): give MODULE:FUNCTION, importable from here, "
+              "or a Hugging Face config.json (or the folder that holds it)", file=sys.stderr)
         return 2
     units = [type(m) for m in _modules(build) if type(m).__name__ == args.units][:1]
     if not units:
@@ -117,6 +116,28 @@ def _estimate(args: argparse.Namespace) -> int:
         return 2
     print(result.to_json() if args.json else result.table())
     return 0
+
+
+def _builder(model: str) -> Callable[[], Any]:
+    """What builds the model: ``MODULE:FUNCTION``'s function, or a Hugging Face causal LM from its config (a
+    ``config.json`` or the folder that holds it) behind the ``(inputs, targets) -> loss`` interface."""
+    import importlib
+
+    if model.endswith(".json") or os.path.isdir(model):
+        import json
+
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        from fsdp_compile._causal_lm import CausalLMLoss
+
+        path = model if model.endswith(".json") else os.path.join(model, "config.json")
+        with open(path) as f:
+            config = AutoConfig.for_model(**{**json.load(f), "use_cache": False})
+        return lambda: CausalLMLoss(AutoModelForCausalLM.from_config(config))
+    module_name, colon, function = model.partition(":")
+    if not colon:
+        raise ValueError("no ':' between the module and the function")
+    return getattr(importlib.import_module(module_name), function)  # type: ignore[no-any-return]
 
 
 def _checkpointed(build: Callable[[], Any], unit: type) -> Any:

@@ -7,6 +7,7 @@ modelled, and the step time against measured steps: docs/big-models.md, "Before 
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import torch
@@ -129,3 +130,26 @@ def test_the_losss_scattered_zeros_are_computed_in_their_kernel_as_inductor_comp
     zeros, written = made[torch.ops.aten.full.default], made[torch.ops.aten.slice_scatter.default]
     assert _fused(zeros) and not _fused(written), graph.code  # the matmul reads the flat gradient: stored once
     assert not _reinplaced(written, written.target), graph.code  # in a buffer of its own, not in the zeros'
+
+
+def test_the_command_line_estimates_a_hugging_face_config_and_refuses_what_it_cannot_know(
+    tmp_path: "os.PathLike[str]", capsys: pytest.CaptureFixture[str],
+) -> None:
+    """``python -m fsdp_compile estimate CONFIG.json``: a Hugging Face causal LM from its config alone, the step's
+    time on a card, as JSON; a question it cannot answer exits 2 with the reason, nothing printed on stdout."""
+    import json
+    import pathlib
+
+    from fsdp_compile.__main__ import main
+
+    config = pathlib.Path(tmp_path) / "config.json"
+    config.write_text(json.dumps({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+                                  "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1}))
+    common = [str(config), "--units", "LlamaDecoderLayer", "--world-size", "2", "--tokens", "16", "--card", "H100"]
+    assert main(["estimate", *common, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["world_size"] == 2 and result["peak"] > result["steady"] > 0 and result["step"]["flops"] > 0, result
+    assert main(["estimate", *common, "--offload"]) == 2
+    out, err = capsys.readouterr()
+    assert not out and "CPU-offloaded step's time is the host's" in err, err
+    assert not dist.is_initialized()

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fsdp_compile._causal_lm import CausalLMLoss
 from fsdp_compile._unit import sharded_units
 
 __all__ = ["CausalLMLoss", "assert_bitwise", "full_grads", "micro_batch_step", "reference_step", "rel_error"]
@@ -45,18 +46,6 @@ def reference_step(ref: nn.Module, tokens: torch.Tensor, param_dtype: torch.dtyp
             p.grad = grad if p.grad is None else p.grad + grad
         low.zero_grad()
     return torch.stack(losses).mean()
-
-
-class CausalLMLoss(nn.Module):
-    """A Hugging Face causal LM behind the ``model(inputs, targets) -> loss`` interface of ``reference_step``."""
-
-    def __init__(self, lm: nn.Module) -> None:
-        super().__init__()
-        self.lm = lm
-
-    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.lm(input_ids=inputs).logits
-        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def micro_batch_step(ref: nn.Module, tokens: torch.Tensor, world_size: int) -> torch.Tensor:
