@@ -50,13 +50,22 @@ FORWARD_SHARE = 0.94 / (0.94 + 2.34)
 OPT_2GPU_MS, OPT_4GPU_MS = 6.5, 4.1
 """AdamW over 1/2 and 1/4 of the 0.95B model (the tight bound's optimizer, fixed as NOTES.md says: run 15 median,
 results/bench_2gpu_4096_run15.json; run 13 median, results/bench_4gpu_1024_run13.json)."""
-OPT_SHARDED_MS = (OPT_2GPU_MS - OPT_4GPU_MS) / (1 / 2 - 1 / 4)
-"""Fitted to those two: AdamW ms = OPT_FIXED_MS + OPT_SHARDED_MS x (parameters / 0.95B's) / shard ranks
-(``optimizer_ms``)."""
-OPT_FIXED_MS = OPT_4GPU_MS - OPT_SHARDED_MS / 4
-"""Fitted likewise: the part that does not shrink with the shard (launches)."""
+
+
+def _adamw_fit(two_gpu_ms: float, four_gpu_ms: float) -> tuple[float, float]:
+    """AdamW ms = fixed + sharded x (parameters / 0.95B's) / shard ranks, through the 2- and 4-GPU times:
+    (fixed, sharded)."""
+    sharded = (two_gpu_ms - four_gpu_ms) / (1 / 2 - 1 / 4)
+    return four_gpu_ms - sharded / 4, sharded
+
+
+OPT_FIXED_MS, OPT_SHARDED_MS = _adamw_fit(OPT_2GPU_MS, OPT_4GPU_MS)
+"""Fitted to those two (``_adamw_fit``): the part that does not shrink with the shard (launches), and the part that
+does."""
 OPT_2GPU_MS_H200, OPT_4GPU_MS_H200 = 5.34, 3.40
 """The same on H200s: fsdp_compile's `opt_ms`, medians of runs 37, 66, 69 (2 GPUs: 5.15-5.49) and run 53 (4 GPUs)."""
+_ADAMW = {"H100": (OPT_FIXED_MS, OPT_SHARDED_MS), "H200": _adamw_fit(OPT_2GPU_MS_H200, OPT_4GPU_MS_H200)}
+"""Card -> (fixed, sharded) AdamW ms (any other card: the H100's)."""
 BOUND_0_95B_FWD_BWD_MS = 47.7
 """0.95B local forward+backward without communication, 4096 tokens/GPU (run 15 median, bench_2gpu_4096_run15.json):
 sets the compute rate of the 0.95B predictions."""
@@ -249,9 +258,8 @@ def _backward(times: list[UnitTimes], contention: float) -> tuple[float, float]:
 
 def optimizer_ms(params: int, shard_ranks: int, card: str = "H100") -> float:
     """AdamW over a shard of ``params`` parameters (fitted on the 0.95B, on the card's own runs)."""
-    two, four = (OPT_2GPU_MS_H200, OPT_4GPU_MS_H200) if card == "H200" else (OPT_2GPU_MS, OPT_4GPU_MS)
-    sharded = (two - four) / (1 / 2 - 1 / 4)
-    return four - sharded / 4 + sharded * params / LLAMA_0_95B.params / shard_ranks
+    fixed, sharded = _ADAMW.get(card, _ADAMW["H100"])
+    return fixed + sharded * params / LLAMA_0_95B.params / shard_ranks
 
 
 def predict(units: Sequence[Unit], topo: Topology, net: Network, fwd_bwd_ms: float,

@@ -50,10 +50,6 @@ __all__ = ["Hardware", "MemoryEstimate", "StepEstimate", "estimate"]
 ROUND = 512
 """The CUDA caching allocator rounds every block up to a multiple of 512 bytes."""
 
-
-def _pinned(nbytes: int) -> int:
-    """CUDA's pinned host allocator rounds every block up to a power of two."""
-    return 1 << max(nbytes - 1, 0).bit_length()
 _WAIT = c10d_functional.wait_tensor.default
 _SLOT = torch.ops.fsdp_compile.slot.default
 _INVOKE_SUBGRAPH = torch.ops.higher_order.invoke_subgraph
@@ -78,6 +74,11 @@ attention)."""
 PARTS = ("parameters", "gradients", "optimizer states", "communication slots", "gathered units",
          "saved for backward", "activations and temporaries", "other")
 """What a live storage at the peak is, in the order ``MemoryEstimate.parts`` lists them."""
+
+
+def _pinned(nbytes: int) -> int:
+    """CUDA's pinned host allocator rounds every block up to a power of two."""
+    return 1 << max(nbytes - 1, 0).bit_length()
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -537,7 +538,7 @@ def _step_time_of(counter: _LiveBytes, model: nn.Module, hardware: Hardware, con
         nbytes = sum(state.layout.padded_numel * state.param_dtype.itemsize for state in parts)
         units.append(_step_time.Unit(
             params, flops[fqn], nbytes / params if params else _step_time.BF16,
-            sum(state.layout.padded_numel for state in parts if state.flat.requires_grad)))
+            sum(state.layout.padded_numel for state in parts if state.trainable)))
     if hardware.fwd_bwd_ms is not None:
         compute_ms, basis = hardware.fwd_bwd_ms, "measured"
     else:
